@@ -1,0 +1,53 @@
+"""The transformer config the GLM-5.x layers read: megatron-core's ``MLATransformerConfig`` plus the
+KPool indexer fields that megatron-core 0.19 does not have.
+
+Every field keeps megatron's naming so ``recipes.megatron_config`` maps the Hydra ``model`` group to
+it one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+KPOOL_ALLOWED = (1, 2, 4, 8, 16, 32, 64)
+"""Powers of two that divide 64 (the serving engines' index-cache page size)."""
+
+
+@dataclass
+class GLMTransformerConfig(MLATransformerConfig):
+    """``MLATransformerConfig`` + KPool DSA indexer fields (see ``kpool_layers.kpool``)."""
+
+    dsa_indexer_kpool: int = 1
+    """Tokens per pooled index key; 1 = plain DSA."""
+
+    dsa_indexer_kpool_always_select_tail: bool = False
+    """Append the query's incomplete pool (0..kpool-1 tokens) to every selection."""
+
+    dsa_indexer_kpool_train_ape: bool = False
+    """Train the per-slot positional bias ``index_kpool_compress_ape`` (frozen by default)."""
+
+    dsa_indexer_query_chunk_size: int = 1024
+    """Queries scored at once by the indexer and the sparse attention; bounds memory to
+    O(chunk * s) instead of O(s * s)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dsa_indexer_kpool not in KPOOL_ALLOWED:
+            raise ValueError(
+                f"dsa_indexer_kpool={self.dsa_indexer_kpool} is not allowed; "
+                f"allowed: {list(KPOOL_ALLOWED)} (powers of two dividing 64)"
+            )
+        topk = self.dsa_indexer_topk
+        if topk is not None and topk % self.dsa_indexer_kpool != 0:
+            raise ValueError(
+                f"dsa_indexer_topk={topk} must be divisible by dsa_indexer_kpool="
+                f"{self.dsa_indexer_kpool}"
+            )
+
+    @property
+    def dsa_indexer_output_width(self) -> int:
+        """Width of the indexer's index tensor: ``topk`` (+ ``kpool - 1`` tail slots)."""
+        tail = self.dsa_indexer_kpool - 1 if self.dsa_indexer_kpool_always_select_tail else 0
+        return int(self.dsa_indexer_topk or 0) + tail

@@ -1,0 +1,49 @@
+"""Test setup: the CPU shim for megatron-core (no-op on GPUs) and single-process model parallel
+state for layer tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+from kpool_layers import _cpu
+
+_cpu.install()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def single_rank_parallel_state():
+    """A one-process gloo (or NCCL) group with megatron's parallel state at TP=PP=1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ["MASTER_PORT"] = str(free_port())
+        dist.init_process_group(
+            "nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1
+        )
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(1234, force_reset_rng=torch.cuda.is_available())
+    yield ps
+    ps.destroy_model_parallel()
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
