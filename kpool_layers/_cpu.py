@@ -18,6 +18,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _INSTALLED = False
+_TARGET = "cpu"  # where CUDA factory calls land; ``redirect_cuda_to("meta")`` for dry runs
 
 # Factory functions whose ``device=`` keyword megatron sets to CUDA.
 _FACTORIES = {
@@ -52,14 +53,14 @@ class _CudaToCpu(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
         if func in _FACTORIES and _is_cuda(kwargs.get("device")):
-            kwargs["device"] = "cpu"
+            kwargs["device"] = _TARGET
         elif func is torch.Tensor.cuda:
             return args[0]
         elif func is torch.Tensor.to:
             if _is_cuda(kwargs.get("device")):
-                kwargs["device"] = "cpu"
+                kwargs["device"] = _TARGET
             if len(args) > 1 and _is_cuda(args[1]) and not isinstance(args[1], int | bool):
-                args = (args[0], "cpu", *args[2:])
+                args = (args[0], _TARGET, *args[2:])
         elif func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return _CUDA_TYPE_NAMES.get(name, name)
@@ -125,6 +126,18 @@ def install() -> bool:
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _INSTALLED = True
     return True
+
+
+@contextlib.contextmanager
+def redirect_cuda_to(device: str) -> Iterator[None]:
+    """While active, CUDA factory calls land on ``device`` (e.g. ``meta``) instead of the CPU.
+    No effect when the shim is not installed (real GPUs)."""
+    global _TARGET
+    saved, _TARGET = _TARGET, device
+    try:
+        yield
+    finally:
+        _TARGET = saved
 
 
 def active() -> bool:

@@ -1,0 +1,28 @@
+# One-command setup + run. `make train` / `make test` create .venv with Python 3.12 on first use.
+SHELL := /bin/bash
+PY312 ?= $(shell command -v python3.12 2>/dev/null || (PYENV_VERSION=3.12.1 pyenv which python3.12 2>/dev/null))
+VENV := .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+
+.PHONY: setup train test test-fast dry-run clean
+
+$(VENV)/.installed: pyproject.toml
+	@bash scripts/setup_venv.sh
+	@touch $@
+
+setup: $(VENV)/.installed
+
+# The main job: the tiny GLM-5-style model on mock data, CPU, 30 steps, wandb offline.
+train: setup
+	$(PY) train.py model=glm5_tiny precision=fp32 train.steps=30 logging.mode=offline $(ARGS)
+
+dry-run: setup
+	$(PY) train.py train.dry_run=true $(ARGS)
+
+# The test suite CI runs (GPU tests skip on CPU; SLURM tests need scripts/slurm_local.sh).
+test: setup
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs multirun outputs

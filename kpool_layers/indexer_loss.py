@@ -1,0 +1,158 @@
+"""KL objective that trains the DSA lightning indexer towards the main attention.
+
+For every query the target is the main (absorbed MQA) attention distribution, summed over heads
+(and over TP ranks) and normalised; the prediction is the softmax of the indexer scores over the
+same keys. For ``kpool > 1`` the target is the attention mass of every visible complete pool
+(summed over its tokens; the query's incomplete pool, the always-selected tail, is not a pool)
+and the prediction is the softmax over pool scores. ``sparse`` restricts both to the selected keys
+(pools), otherwise all causal keys of the query's document count.
+
+Memory: queries are processed in chunks of ``config.dsa_indexer_query_chunk_size``; each chunk is
+activation-checkpointed, so nothing of size ``[s, s]`` (or ``[s, s / kpool]``) is kept for
+backward; the no-grad target of a chunk is recomputed in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from kpool_layers.indexer import DSAIndexer, IndexerOutput
+from kpool_layers.kpool import PoolLayout, pool_layout
+from kpool_layers.topk import index_scores, score_dtype
+
+TARGET_EPS = 1e-10
+"""Floor of the target's normaliser and of ``log(target)`` (megatron's INDEXER_LOSS_EPS)."""
+
+
+def _masked_fill_min(x: Tensor, keep: Tensor) -> Tensor:
+    """``x`` with dropped entries at the dtype's most negative finite value (a finite stand-in for
+    -inf: fully masked rows then softmax to finite values instead of NaN)."""
+    return x.masked_fill(~keep, torch.finfo(x.dtype).min)
+
+
+def _chunk_kl(
+    q: Tensor,
+    weights: Tensor,
+    keys: Tensor,
+    main_query: Tensor,
+    main_key: Tensor,
+    selected: Tensor,
+    layout: PoolLayout,
+    start: int,
+    windows: tuple[int, int, int],
+    *,
+    softmax_scale: float,
+    relu: bool,
+    sparse: bool,
+    tp_group: Optional[dist.ProcessGroup],
+) -> Tensor:
+    """Summed KL of queries ``start .. start + c`` of one row.
+
+    q [c, h, d], weights [c, h], keys [n, d] (all of the row's index keys), main_query [c, nh, dk],
+    main_key [s, dk], selected [c, W] token indices (-1 = none). ``windows`` = (first token, first
+    pool, one past the last pool) any of the chunk's queries can see."""
+    c = q.shape[0]
+    t_lo, p_lo, p_hi = windows
+    dev = q.device
+    query = torch.arange(start, start + c, device=dev)
+    with torch.no_grad():
+        tokens = torch.arange(t_lo, start + c, device=dev)
+        token_ok = (tokens >= layout.doc_start[query, None]) & (tokens <= query[:, None])  # [c, tw]
+        if sparse:
+            tw = tokens.numel()
+            hit = torch.zeros(c, tw + 1, dtype=torch.bool, device=dev)
+            hit.scatter_(1, torch.where(selected >= 0, selected - t_lo, tw), True)
+            token_ok &= hit[:, :tw]
+        dtype = score_dtype(main_query.dtype)
+        logits = torch.einsum("cnd,td->cnt", main_query.to(dtype), main_key[t_lo : start + c].to(dtype))
+        probs = torch.softmax(_masked_fill_min(logits * softmax_scale, token_ok[:, None]), dim=-1)
+        mass = (probs * token_ok[:, None]).sum(dim=1)  # [c, tw], summed over local heads
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(mass, group=tp_group)  # heads are split over TP ranks
+
+        pools = torch.arange(p_lo, p_hi, device=dev)
+        pool_ok = (pools >= layout.query_lo[query, None]) & (pools < layout.query_hi[query, None])
+        token_pool = layout.token_pool[t_lo : start + c] - p_lo  # pool of every token in the window
+        in_window = (token_pool >= 0) & (token_pool < p_hi - p_lo)
+        pool_index = token_pool.clamp(0, max(p_hi - p_lo - 1, 0))
+        target = mass.new_zeros(c, p_hi - p_lo).index_add_(1, pool_index, mass * in_window)
+        if sparse:
+            chosen = token_ok.to(mass.dtype) * in_window
+            pool_ok &= mass.new_zeros(c, p_hi - p_lo).index_add_(1, pool_index, chosen) > 0
+        target = target * pool_ok
+        target = target / target.sum(dim=-1, keepdim=True).clamp_min(TARGET_EPS)
+
+    scores = index_scores(q, keys[p_lo:p_hi], weights, relu=relu)  # [c, pw]
+    log_pred = torch.log_softmax(_masked_fill_min(scores, pool_ok), dim=-1)
+    kl = target * (torch.log(target.clamp_min(TARGET_EPS)) - log_pred)
+    return torch.where(pool_ok, kl, 0.0).sum()
+
+
+def indexer_kl_loss(
+    indexer: DSAIndexer,
+    out: IndexerOutput,
+    main_query: Tensor,
+    main_key: Tensor,
+    softmax_scale: float,
+    *,
+    sparse: bool,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """``dsa_indexer_loss_coeff * mean over queries of KL(target || softmax(indexer scores))``.
+
+    Args:
+        indexer: the layer that produced ``out`` (config, TP group).
+        out: the indexer's output for this sequence.
+        main_query: [s, b, n, d_k] the main (absorbed, MQA) attention's queries (TP-local heads).
+        main_key: [s, b, 1, d_k] the main attention's latent keys.
+        softmax_scale: the main attention's softmax scale.
+        sparse: restrict target and prediction to the selected keys (pools).
+        cu_seqlens: int [n_docs + 1] packed THD boundaries (b == 1); must match the indexer call
+            (``out.layout`` already encodes them).
+
+    Returns:
+        Scalar loss (the mean is over all ``b * s`` query rows, megatron's convention) scaled by
+        ``config.dsa_indexer_loss_coeff`` (0 when unset), with gradient to the indexer's q, weight
+        and key projections, key norm, and KPool gate (and ape when trainable).
+    """
+    cfg = indexer.config
+    if cu_seqlens is not None and main_query.shape[1] != 1:
+        raise ValueError(f"packed THD input needs batch size 1, got {main_query.shape[1]}")
+    main_query, main_key = main_query.detach(), main_key.detach()
+    s, b = main_query.shape[:2]
+    layout = out.layout
+    expected = pool_layout(s, layout.kpool, cu_seqlens, device=layout.doc_start.device)
+    if not torch.equal(expected.doc_start, layout.doc_start):
+        raise ValueError("cu_seqlens differ from the ones the indexer output was computed with")
+    chunk = cfg.dsa_indexer_query_chunk_size
+    doc_start, lo, hi = layout.doc_start.cpu(), layout.query_lo.cpu(), layout.query_hi.cpu()
+    total = main_query.new_zeros((), dtype=score_dtype(out.q.dtype))
+    for row in range(b):
+        for start in range(0, s, chunk):
+            end = min(start + chunk, s)
+            windows = (int(doc_start[start:end].min()), int(lo[start:end].min()), int(hi[start:end].max()))
+            if windows[2] <= windows[1]:
+                continue  # no query of the chunk sees a key (pool) yet
+            total = total + (lambda f, *a, use_reentrant, **k: f(*a, **k))(
+                _chunk_kl,
+                out.q[start:end, row],
+                out.weights[start:end, row],
+                out.keys[:, row],
+                main_query[start:end, row],
+                main_key[:, row, 0],
+                out.topk_indices[row, start:end],
+                layout,
+                start,
+                windows,
+                softmax_scale=softmax_scale,
+                relu=cfg.dsa_indexer_scoring_relu,
+                sparse=sparse,
+                tp_group=indexer.tp_group,
+                use_reentrant=False,
+            )
+    return total / (b * s) * (cfg.dsa_indexer_loss_coeff or 0.0)

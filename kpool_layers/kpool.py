@@ -1,0 +1,191 @@
+"""KPool: the DSA lightning indexer over pooled index keys (see docs/kpool.md for the contract).
+
+With ``kpool > 1`` the indexer does not score every token key. Pool ``j`` of a document covers its
+tokens ``j*kpool .. j*kpool + kpool - 1``; its key is a gated softmax mixture of those token keys
+
+    pk[j, d] = sum_m softmax_m(g[t_m, d] + ape[m, d]) * k[t_m, d]          (FP32, stored in k.dtype)
+
+A query at document-local position ``p`` sees the complete pools ``j < (p + 1) // kpool``, scores
+them like token keys, keeps the ``topk // kpool`` best (ties -> lower pool index), expands every
+pool to its ``kpool`` tokens and pads with -1 up to ``topk`` entries. With ``always_select_tail``
+the tokens of the query's incomplete pool, ``((p + 1) // kpool) * kpool .. p``, are appended
+(-1 padded to ``kpool - 1`` slots). Packed sequences restart pooling at every document start.
+``kpool == 1`` is plain DSA.
+
+Layouts (one batch row of ``t`` tokens, packed documents back to back):
+    q [t, h, d], k [t, d], gate [t, d], ape [kpool, d], weights [t, h], cu_seqlens int [n_docs + 1]
+    result: int64 [t, topk] (+ kpool - 1 tail slots), token indices into the row, -1 = empty.
+
+:func:`kpool_topk` is the plain reference of the contract; :func:`kpool_select` is the chunked
+path the layer runs and must return exactly the same indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kpool_layers.topk import chunked_range_topk, index_scores, score_dtype, topk_lower_index_ties
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Where the pools of one row of ``t`` tokens are and which pools each query sees.
+
+    Pools of all documents are numbered back to back (document 0's pools first). For ``kpool == 1``
+    pools are tokens."""
+
+    kpool: int
+    pool_start: Tensor  # int64 [n_pools], first token of every complete pool
+    token_pool: Tensor  # int64 [t], complete pool containing the token, -1 if none
+    doc_start: Tensor  # int64 [t], first token of the token's document
+    query_lo: Tensor  # int64 [t], first pool the query sees (its document's first pool)
+    query_hi: Tensor  # int64 [t], one past the last complete pool the query sees
+    tail_start: Tensor  # int64 [t], first token of the query's incomplete pool
+
+    @property
+    def n_pools(self) -> int:
+        return self.pool_start.numel()
+
+
+def pool_layout(
+    t: int, kpool: int, cu_seqlens: Optional[Tensor] = None, device: Optional[torch.device] = None
+) -> PoolLayout:
+    """Pools of a row of ``t`` tokens; ``cu_seqlens`` (int [n_docs + 1], last entry ``t``) marks
+    packed documents, None means one document."""
+    if cu_seqlens is None:
+        cu = torch.tensor([0, t], dtype=torch.long, device=device)
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.long)
+        if int(cu[-1]) != t or int(cu[0]) != 0:
+            raise ValueError(f"cu_seqlens must run from 0 to the row length {t}, got {cu.tolist()}")
+    dev = cu.device
+    pools_per_doc = (cu[1:] - cu[:-1]) // kpool
+    pool_cu = torch.cat([pools_per_doc.new_zeros(1), pools_per_doc.cumsum(0)])
+    tok = torch.arange(t, device=dev)
+    doc = torch.searchsorted(cu[1:], tok, right=True)  # document of every token
+    local = tok - cu[doc]
+    seen = (local + 1) // kpool  # complete pools visible to the query
+    pool_doc = torch.repeat_interleave(torch.arange(pools_per_doc.numel(), device=dev), pools_per_doc)
+    pool_local = torch.arange(int(pool_cu[-1]), device=dev) - pool_cu[pool_doc]
+    in_pool = local // kpool < pools_per_doc[doc]
+    return PoolLayout(
+        kpool=kpool,
+        pool_start=cu[pool_doc] + pool_local * kpool,
+        token_pool=torch.where(in_pool, pool_cu[doc] + local // kpool, -1),
+        doc_start=cu[doc],
+        query_lo=pool_cu[doc],
+        query_hi=pool_cu[doc] + seen,
+        tail_start=cu[doc] + seen * kpool,
+    )
+
+
+def pool_keys(k: Tensor, gate: Tensor, ape: Tensor, layout: PoolLayout) -> Tensor:
+    """Pooled keys [n_pools, d] from token keys k [t, d], gate logits gate [t, d] and the per-slot
+    bias ape [kpool, d]: a max-subtracted softmax over the pool's slots per channel, computed in
+    FP32 (FP64 for FP64 inputs) and returned in ``k.dtype``. Differentiable."""
+    dtype = score_dtype(k.dtype)
+    slots = layout.pool_start[:, None] + torch.arange(layout.kpool, device=k.device)  # [n, kpool]
+    mix = torch.softmax(gate[slots].to(dtype) + ape.to(dtype), dim=1)  # [n, kpool, d]
+    return (mix * k[slots].to(dtype)).sum(dim=1).to(k.dtype)
+
+
+def expand_pools(pools: Tensor, layout: PoolLayout) -> Tensor:
+    """Pool indices [t, P] (-1 = none) -> their token indices [t, P * kpool] (-1 = none)."""
+    slot = torch.arange(layout.kpool, device=pools.device)
+    tokens = layout.pool_start[pools.clamp_min(0)][..., None] + slot  # [t, P, kpool]
+    tokens = torch.where(pools[..., None] >= 0, tokens, -1)
+    return tokens.flatten(start_dim=-2)
+
+
+def tail_tokens(layout: PoolLayout) -> Tensor:
+    """Tokens [t, kpool - 1] of every query's incomplete pool, ``tail_start .. query``, -1 padded."""
+    t = layout.tail_start.numel()
+    query = torch.arange(t, device=layout.tail_start.device)
+    tokens = layout.tail_start[:, None] + torch.arange(layout.kpool - 1, device=query.device)
+    return torch.where(tokens <= query[:, None], tokens, -1)
+
+
+def _finish(pools: Tensor, layout: PoolLayout, always_select_tail: bool) -> Tensor:
+    tokens = expand_pools(pools, layout)
+    if always_select_tail:
+        tokens = torch.cat([tokens, tail_tokens(layout)], dim=-1)
+    return tokens
+
+
+def kpool_topk(
+    q: Tensor,
+    k: Tensor,
+    gate: Tensor,
+    ape: Tensor,
+    weights: Tensor,
+    *,
+    kpool: int,
+    topk: int,
+    always_select_tail: bool,
+    relu: bool,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """Reference KPool selection (the contract serving engines implement), unchunked.
+
+    Args:
+        q: [t, h, d] index queries of ``t`` packed tokens.
+        k: [t, d] token index keys.
+        gate: [t, d] compression gate logits.
+        ape: [kpool, d] per-slot positional bias.
+        weights: [t, h] per-head weights (scale included).
+        kpool: tokens per pool (1 = plain DSA; gate and ape are then unused).
+        topk: selected tokens per query, a multiple of ``kpool``.
+        always_select_tail: append the query's incomplete pool (``kpool - 1`` slots).
+        relu: ReLU on ``q . k`` before weighting.
+        cu_seqlens: int [n_docs + 1] packed document boundaries; None = one document.
+
+    Returns:
+        int64 [t, topk (+ kpool - 1)]: token indices, best pool first, each pool's tokens in
+        ascending order, then the tail; -1 = empty.
+    """
+    with torch.no_grad():
+        layout = pool_layout(q.shape[0], kpool, cu_seqlens, device=q.device)
+        keys = k if kpool == 1 else pool_keys(k, gate, ape, layout)
+        scores = index_scores(q, keys, weights, relu=relu)  # [t, n_pools]
+        cols = torch.arange(layout.n_pools, device=q.device)
+        visible = (cols >= layout.query_lo[:, None]) & (cols < layout.query_hi[:, None])
+        n_sel = topk // kpool
+        chosen = topk_lower_index_ties(scores.masked_fill(~visible, float("-inf")), min(n_sel, layout.n_pools))
+        count = (layout.query_hi - layout.query_lo)[:, None]
+        chosen = torch.where(torch.arange(chosen.shape[1], device=q.device) < count, chosen, -1)
+        pools = torch.full((q.shape[0], n_sel), -1, dtype=torch.long, device=q.device)
+        pools[:, : chosen.shape[1]] = chosen
+        return _finish(pools, layout, always_select_tail)
+
+
+def kpool_select(
+    q: Tensor,
+    keys: Tensor,
+    weights: Tensor,
+    layout: PoolLayout,
+    *,
+    topk: int,
+    always_select_tail: bool,
+    relu: bool,
+    chunk_size: int,
+) -> Tensor:
+    """The layer's chunked selection over already pooled ``keys`` [n_pools, d] (token keys for
+    ``kpool == 1``); returns what :func:`kpool_topk` returns. Runs without grad."""
+    pools = chunked_range_topk(
+        q.detach(),
+        keys.detach(),
+        weights.detach(),
+        layout.query_lo,
+        layout.query_hi,
+        topk=topk // layout.kpool,
+        relu=relu,
+        chunk_size=chunk_size,
+    )
+    if layout.kpool == 1:
+        return pools
+    with torch.no_grad():
+        return _finish(pools, layout, always_select_tail)

@@ -1,0 +1,501 @@
+"""Precision policy for GLM-5.x training and the FP8 linear backends that carry it out.
+
+* :class:`PrecisionPolicy` - which linear *role* (:class:`Role`) runs quantized and in which dtype,
+  with the named profiles ``bf16``, ``fp8`` and ``serving_match`` (FP8 training whose indexer path
+  matches the FP8 serving engine).
+* :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
+  (:mod:`kpool_layers.fp8`), on the ``torch`` (``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or
+  ``emulate`` (quantize-dequantize, any device) backend; straight-through backward.
+* :func:`apply_precision` - routes every linear of a model, chosen by a ``role_of(name, module)``
+  callable, through the policy; :func:`precision_map` lists what it does.
+* :func:`fp8_autocast` - the Transformer Engine autocast for the ``te`` backend.
+
+Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
+(``nn.Linear`` / megatron layout, output partition first), outputs ``[..., N]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
+
+from kpool_layers import fp8
+
+
+class Role(str, enum.Enum):
+    """The fixed set of linear roles of a GLM-5.x model."""
+
+    MLA_Q_DOWN = "mla.q_down"
+    MLA_Q_UP = "mla.q_up"
+    MLA_KV_DOWN = "mla.kv_down"
+    MLA_KV_UP = "mla.kv_up"
+    MLA_OUT = "mla.out"
+    INDEXER_Q = "indexer.q"
+    INDEXER_K = "indexer.k"
+    INDEXER_WEIGHTS = "indexer.weights"
+    INDEXER_KPOOL_GATE = "indexer.kpool_gate"
+    MLP_FC1 = "mlp.fc1"
+    MLP_FC2 = "mlp.fc2"
+    MOE_EXPERT_FC1 = "moe.expert_fc1"
+    MOE_EXPERT_FC2 = "moe.expert_fc2"
+    MOE_SHARED_FC1 = "moe.shared_fc1"
+    MOE_SHARED_FC2 = "moe.shared_fc2"
+    MOE_ROUTER = "moe.router"
+    EMBEDDING = "embedding"
+    OUTPUT = "output"
+
+
+_MLA_ROLES = {Role.MLA_Q_DOWN, Role.MLA_Q_UP, Role.MLA_KV_DOWN, Role.MLA_KV_UP, Role.MLA_OUT}
+_INDEXER_QK_ROLES = {Role.INDEXER_Q, Role.INDEXER_K, Role.INDEXER_KPOOL_GATE}
+_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT}
+
+BACKENDS: tuple[str, ...] = ("te", "torch", "emulate", "auto")
+WEIGHTS_PROJ_DTYPES: tuple[str, ...] = ("fp32", "bf16", "inherit")
+PROFILES: tuple[str, ...] = ("bf16", "fp8", "serving_match")
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"precision.{key}={value!r} is not supported; allowed: {list(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """Which linears run FP8 and in which dtype. Field names are the ``precision.*`` config keys."""
+
+    recipe: str = "blockwise"
+    """FP8 scaling recipe: blockwise (1x128 activations, 128x128 weights) | tensorwise | rowwise."""
+    fp8: bool = False
+    """Run the quantizable linears in FP8 (False = BF16 everywhere)."""
+    backend: str = "auto"
+    """te | torch | emulate | auto (te if importable, else torch on CUDA, else emulate)."""
+    dsa_indexer_qk_proj_disable_quantization: bool = False
+    """Keep the indexer q/k projections (and the KPool gate) unquantized BF16."""
+    mla_proj_disable_quantization: bool = False
+    """Keep the MLA q/kv down/up and output projections unquantized BF16."""
+    dsa_indexer_kpool_use_quantization: bool = False
+    """Score with :func:`kpool_layers.fp8.serving_index_quant`-ed index q and pooled k."""
+    dsa_indexer_weights_proj_dtype: str = "inherit"
+    """dtype of the indexer head-weights projection: fp32 | bf16 | inherit (the model's)."""
+    dsa_indexer_weights_proj_disable_quantization: bool = False
+    """Keep the indexer head-weights projection unquantized."""
+    dsa_indexer_k_norm_fp32: bool = False
+    """Compute the indexer k LayerNorm in FP32."""
+    scale_format: str = "ue8m0"
+    """FP8 scale format: ue8m0 (power of two) | amax (amax / 448)."""
+
+    def __post_init__(self) -> None:
+        _check_choice("recipe", self.recipe, fp8.RECIPES)
+        _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("dsa_indexer_weights_proj_dtype", self.dsa_indexer_weights_proj_dtype, WEIGHTS_PROJ_DTYPES)
+        _check_choice("scale_format", self.scale_format, fp8.SCALE_FORMATS)
+        if (
+            self.fp8
+            and self.dsa_indexer_weights_proj_dtype == "fp32"
+            and not self.dsa_indexer_weights_proj_disable_quantization
+        ):
+            raise ValueError(
+                "precision.dsa_indexer_weights_proj_dtype=fp32 with precision.fp8=true needs "
+                "precision.dsa_indexer_weights_proj_disable_quantization=true (an FP32 projection "
+                "cannot also be an FP8 GEMM)"
+            )
+
+    @classmethod
+    def profile(cls, name: str, **overrides: Any) -> "PrecisionPolicy":
+        """A named profile (``bf16`` | ``fp8`` | ``serving_match``) with optional field overrides."""
+        _check_choice("profile", name, PROFILES)
+        base: dict[str, Any] = {}
+        if name in ("fp8", "serving_match"):
+            base = {"fp8": True, "recipe": "blockwise"}
+        if name == "serving_match":
+            base.update(
+                dsa_indexer_qk_proj_disable_quantization=True,
+                mla_proj_disable_quantization=True,
+                dsa_indexer_kpool_use_quantization=True,
+                dsa_indexer_weights_proj_dtype="fp32",
+                dsa_indexer_weights_proj_disable_quantization=True,
+                dsa_indexer_k_norm_fp32=True,
+            )
+        return cls(**{**base, **overrides})
+
+    def quantized(self, role: Role | str) -> bool:
+        """Whether the linear of ``role`` runs as an FP8 GEMM under this policy."""
+        role = Role(role)
+        if not self.fp8 or role in _NEVER_QUANTIZED:
+            return False
+        if role in _MLA_ROLES:
+            return not self.mla_proj_disable_quantization
+        if role in _INDEXER_QK_ROLES:
+            return not self.dsa_indexer_qk_proj_disable_quantization
+        if role is Role.INDEXER_WEIGHTS:
+            return not self.dsa_indexer_weights_proj_disable_quantization
+        return True
+
+    def dtype(self, role: Role | str, params_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+        """The dtype the linear of ``role`` computes in (inputs and output; an FP8 GEMM's
+        operands are quantized from / its output returned in this dtype). ``params_dtype`` is the
+        model's dtype (BF16 in training)."""
+        role = Role(role)
+        if role is Role.MOE_ROUTER:
+            return torch.float32
+        if role is Role.INDEXER_WEIGHTS:
+            return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
+                self.dsa_indexer_weights_proj_dtype, params_dtype
+            )
+        return params_dtype
+
+
+@functools.cache
+def _te_importable() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or a broken CUDA/TE install raising at import
+        return False
+    return True
+
+
+def _cuda_fp8_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def available_backends() -> list[str]:
+    """Concrete backends usable in this process, most preferred first."""
+    found = ["te"] if _te_importable() else []
+    if _cuda_fp8_available():
+        found.append("torch")
+    return [*found, "emulate"]
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` -> the first of :func:`available_backends`; a concrete name is checked."""
+    _check_choice("backend", backend, BACKENDS)
+    available = available_backends()
+    if backend == "auto":
+        return available[0]
+    if backend not in available:
+        raise ValueError(
+            f"precision.backend={backend!r} is not available here; available: {available}"
+        )
+    return backend
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -t.shape[0] % multiple
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _scaled_mm(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """FP8 GEMM on CUDA: ``xq [M, K]`` e4m3 (scales from :func:`fp8.quantize`, activation),
+    ``wq [N, K]`` e4m3 (weight scales) -> BF16 ``[M, N]``, FP32 accumulation.
+
+    ``torch._scaled_mm`` wants ``mat2`` column-major (``wq.t()`` of a row-major weight is) and
+    K, N divisible by 16. Blockwise goes through ``F.scaled_mm`` with BlockWise1x128 /
+    BlockWise128x128: the 1x128 scales ``[M, K/128]`` column-major, the 128x128 scales
+    ``[ceil4(K/128), N/128]`` column-major with K blocks padded to a multiple of 4 (the layout of
+    torch's own OpInfo samples for these recipes). Rows are zero-padded (16, 128 for blockwise)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if k % 16 or n % 16 or (recipe == "blockwise" and (k % fp8.BLOCK or n % fp8.BLOCK)):
+        raise ValueError(
+            f"precision.backend='torch' needs K, N divisible by 16 (by 128 for blockwise); got "
+            f"K={k}, N={n} under recipe {recipe!r}; use precision.backend='emulate' for this layer"
+        )
+    mat_b = wq.t()
+    if recipe == "tensorwise":
+        a = _pad_rows(xq, 16)
+        out = torch._scaled_mm(a, mat_b, xs.reshape(()), ws.reshape(()), out_dtype=torch.bfloat16)
+    elif recipe == "rowwise":
+        a, sa = _pad_rows(xq, 16), _pad_rows(xs, 16)
+        out = torch._scaled_mm(a, mat_b, sa, ws.reshape(1, n).contiguous(), out_dtype=torch.bfloat16)
+    else:
+        F = torch.nn.functional
+        a, sa = _pad_rows(xq, fp8.BLOCK), _pad_rows(xs, fp8.BLOCK)
+        sa = sa.t().contiguous().t()  # [M, K/128] column-major
+        kb = ws.shape[1]
+        sb = ws.new_zeros(ws.shape[0], -(-kb // 4) * 4)
+        sb[:, :kb] = ws
+        out = F.scaled_mm(
+            a, mat_b, sa, F.ScalingType.BlockWise1x128, sb.t(), F.ScalingType.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        )
+    return out[:m]
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
+    computed in ``x``'s dtype from the dequantized operands (kept as e4m3 + scales)."""
+
+    @staticmethod
+    def forward(ctx, x, w, recipe, backend, scale_format):  # noqa: ANN001, ANN205
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = fp8.quantize(x2, recipe, "activation", scale_format)
+        wq, ws = fp8.quantize(w, recipe, "weight", scale_format)
+        if backend == "torch":
+            y = _scaled_mm(xq, xs, wq, ws, recipe)
+        else:
+            y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
+        ctx.save_for_backward(xq, xs, wq, ws)
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        xq, xs, wq, ws = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_deq = fp8.dequantize(wq, ws, ctx.recipe, "weight").to(ctx.x_dtype)
+            grad_x = (g @ w_deq).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_deq = fp8.dequantize(xq, xs, ctx.recipe, "activation").to(ctx.x_dtype)
+            grad_w = (g.t() @ x_deq).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None
+
+
+def quantized_matmul(
+    x: torch.Tensor, w: torch.Tensor, recipe: str, backend: str, scale_format: str = "ue8m0"
+) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` (x's dtype) with both operands e4m3-quantized under
+    ``recipe``; ``backend`` is ``torch`` (CUDA FP8 GEMM) or ``emulate`` (FP32 GEMM of the
+    dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`)."""
+    _check_choice("recipe", recipe, fp8.RECIPES)
+    _check_choice("scale_format", scale_format, fp8.SCALE_FORMATS)
+    if backend not in ("torch", "emulate"):
+        raise ValueError(
+            f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}; "
+            "'te' quantizes inside Transformer Engine modules under fp8_autocast"
+        )
+    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing linears through the policy
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _LinearCompute:
+    """How one linear computes ``x @ w.T``: FP8 (``quantized``) or in ``dtype``."""
+
+    quantized: bool
+    dtype: torch.dtype
+    recipe: str
+    backend: str
+    scale_format: str
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x, w = x.to(self.dtype), w.to(self.dtype)
+        if self.quantized:
+            return quantized_matmul(x, w, self.recipe, self.backend, self.scale_format)
+        return x @ w.t()
+
+
+def _megatron_forward_impl(compute: _LinearCompute) -> Callable[..., torch.Tensor]:
+    """A drop-in for ``ColumnParallelLinear/RowParallelLinear._forward_impl``.
+
+    megatron's ``linear_with_grad_accumulation_and_async_allreduce`` all-gathers the input over
+    the TP group when ``sequence_parallel`` (and reduce-scatters its gradient) or all-reduces the
+    input gradient when ``allreduce_dgrad``. The same collectives are issued here through
+    megatron's autograd mappings, around ``compute`` instead of ``torch.matmul``, so the layer's
+    TP communication (and everything in ``forward`` outside ``_forward_impl``) is unchanged. The
+    weight gradient lands in ``weight.grad`` (no gradient-accumulation fusion; megatron's DDP
+    hook adds it into ``main_grad``)."""
+
+    def forward_impl(
+        input: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        gradient_accumulation_fusion: bool = False,
+        allreduce_dgrad: bool = False,
+        sequence_parallel: bool = False,
+        grad_output_buffer: Optional[list[torch.Tensor]] = None,
+        wgrad_deferral_limit: Optional[int] = None,
+        tp_group: Optional[torch.distributed.ProcessGroup] = None,
+        gtp_remat_size: int = 1,
+    ) -> torch.Tensor:
+        if grad_output_buffer is not None or gtp_remat_size > 1:
+            raise ValueError(
+                "precision routing does not support deferred embedding wgrad "
+                "(defer_embedding_wgrad_compute) or gtp_remat_size > 1"
+            )
+        if sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+        elif allreduce_dgrad:
+            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+        out = compute(input, weight)
+        return out + bias.to(out.dtype) if bias is not None else out
+
+    return forward_impl
+
+
+def _torch_linear_forward(module: torch.nn.Linear, compute: _LinearCompute) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        out = compute(input, module.weight)
+        return out + module.bias.to(out.dtype) if module.bias is not None else out
+
+    return forward
+
+
+def _is_te_module(module: torch.nn.Module) -> bool:
+    return any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__)
+
+
+def _te_disabled_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    """The module's class forward run under ``fp8_autocast(enabled=False)`` (BF16 GEMMs)."""
+    import transformer_engine.pytorch as te
+
+    cls_forward = type(module).forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with te.fp8_autocast(enabled=False):
+            return cls_forward(module, *args, **kwargs)
+
+    return forward
+
+
+def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
+    weight = getattr(module, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else None
+
+
+_ROUTED = "_kpool_precision_routed"
+"""Attribute marking the instance ``forward``/``_forward_impl`` functions installed here."""
+
+
+def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    setattr(fn, _ROUTED, True)
+    return fn
+
+
+def _unroute(module: torch.nn.Module) -> None:
+    """Drop the instance overrides a previous :func:`apply_precision` installed."""
+    for attr in ("forward", "_forward_impl"):
+        if getattr(vars(module).get(attr), _ROUTED, False):
+            delattr(module, attr)
+
+
+def _route(name: str, module: torch.nn.Module, role: Role, policy: PrecisionPolicy, backend: str) -> None:
+    """Make ``module`` compute as ``policy`` says for ``role`` (see :func:`apply_precision`)."""
+    _unroute(module)
+    quantized = policy.quantized(role)
+    own_dtype = _weight_dtype(module)
+    dtype = policy.dtype(role, own_dtype or torch.bfloat16)
+    if backend == "te" and _is_te_module(module):
+        if dtype != own_dtype:
+            raise ValueError(f"{name}: role {role.value} needs {dtype}; build this TE module in that dtype")
+        if not quantized:
+            module.forward = _routed(_te_disabled_forward(module))
+        return
+    if not (quantized or dtype != own_dtype):
+        return
+    if backend == "te":
+        raise ValueError(
+            f"{name} ({type(module).__name__}) has quantized role {role.value} but "
+            "precision.backend='te' quantizes only Transformer Engine linears; build the model "
+            "with the transformer_engine spec or use precision.backend=torch|emulate"
+        )
+    compute = _LinearCompute(quantized, dtype, policy.recipe, backend, policy.scale_format)
+    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+        module._forward_impl = _routed(_megatron_forward_impl(compute))
+    elif isinstance(module, torch.nn.Linear):
+        module.forward = _routed(_torch_linear_forward(module, compute))
+    elif not quantized and getattr(getattr(module, "config", None), "moe_router_dtype", None) == "fp32":
+        return  # megatron's TopKRouter computes its gating GEMM in FP32 itself
+    else:
+        raise ValueError(
+            f"{name} ({type(module).__name__}) with role {role.value} is not a linear that "
+            "precision routing can wrap (ColumnParallelLinear, RowParallelLinear, nn.Linear)"
+        )
+
+
+RoleOf = Callable[[str, torch.nn.Module], Optional[str]]
+"""``role_of(module_name, module) -> role value or None`` (None: leave the module alone)."""
+
+
+def _roles(model: torch.nn.Module, role_of: RoleOf) -> list[tuple[str, torch.nn.Module, Role]]:
+    found = []
+    for name, module in model.named_modules():
+        role = role_of(name, module)
+        if role is not None:
+            found.append((name, module, Role(role)))
+    return found
+
+
+def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
+    """Route each linear that ``role_of`` names through ``policy``; returns :func:`precision_map`.
+
+    * quantized role, ``torch``/``emulate`` backend: megatron ``Column/RowParallelLinear`` get an
+      instance ``_forward_impl`` (TP collectives kept, see :func:`_megatron_forward_impl`),
+      ``nn.Linear`` an instance ``forward``; both compute via :func:`quantized_matmul`.
+    * unquantized role whose dtype differs from the weight's (e.g. FP32 indexer weights proj):
+      the same wrapping with a plain GEMM in that dtype (output in that dtype).
+    * ``te`` backend: TE linears are quantized by :func:`fp8_autocast`; unquantized roles run their
+      forward under ``fp8_autocast(enabled=False)``.
+
+    Wrapping is by instance attribute over the class method; calling again first removes the
+    previous routing, so a model can be re-routed under another policy.
+    """
+    backend = resolve_backend(policy.backend) if policy.fp8 else "none"
+    for name, module, role in _roles(model, role_of):
+        _route(name, module, role, policy, backend)
+    return precision_map(model, policy, role_of)
+
+
+def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
+    """One row per routed module: ``module`` name, ``role``, ``quantized``, ``dtype`` (e.g.
+    ``"bfloat16"``) and ``backend`` (resolved backend for quantized rows, else ``"none"``)."""
+    backend = resolve_backend(policy.backend) if policy.fp8 else "none"
+    rows = []
+    for name, module, role in _roles(model, role_of):
+        quantized = policy.quantized(role)
+        dtype = policy.dtype(role, _weight_dtype(module) or torch.bfloat16)
+        rows.append(
+            {
+                "module": name,
+                "role": role.value,
+                "quantized": quantized,
+                "dtype": str(dtype).removeprefix("torch."),
+                "backend": backend if quantized else "none",
+            }
+        )
+    return rows
+
+
+def te_recipe(policy: PrecisionPolicy) -> Any:
+    """Transformer Engine recipe for ``policy.recipe``: blockwise -> ``Float8BlockScaling``
+    (e4m3), tensorwise -> ``Float8CurrentScaling`` (HYBRID: e4m3 forward, e5m2 gradients).
+    TE has no rowwise FP8 recipe."""
+    from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling, Format
+
+    if policy.recipe == "blockwise":
+        return Float8BlockScaling(fp8_format=Format.E4M3)
+    if policy.recipe == "tensorwise":
+        return Float8CurrentScaling(fp8_format=Format.HYBRID)
+    raise ValueError("precision.recipe='rowwise' has no Transformer Engine recipe; use backend torch|emulate")
+
+
+def fp8_autocast(policy: PrecisionPolicy) -> ContextManager[Any]:
+    """The context the training step runs under: TE's ``fp8_autocast`` with :func:`te_recipe`
+    when FP8 resolves to the ``te`` backend, else a no-op (torch/emulate act per linear)."""
+    if not policy.fp8 or resolve_backend(policy.backend) != "te":
+        return contextlib.nullcontext()
+    import transformer_engine.pytorch as te
+
+    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(policy))

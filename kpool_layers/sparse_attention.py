@@ -1,0 +1,130 @@
+"""Causal sparse attention over each query's top-k keys, in absorbed-MLA (MQA) form.
+
+Layouts (megatron):
+  * ``query``        ``[s, b, n, d_k]`` absorbed queries, ``d_k = kv_lora_rank + rope dim``;
+  * ``latent_kv``    ``[s, b, 1, d_k]`` latent keys; the first ``v_channels`` channels are the value;
+  * ``topk_indices`` int ``[b, s, W]`` key positions per query, ``-1`` = empty slot;
+  * ``key_start``    int64 ``[s]`` first key each query may see (its document start in a packed THD
+    sequence) or None (0);
+  * output           ``[s, b, n, v_channels]``.
+
+A selected key counts once (duplicates in a row are dropped) and only if
+``key_start[i] <= key <= i`` for query ``i`` (causal, same document). A query with no valid key
+gets a zero output and zero gradients.
+
+Memory: queries are processed ``chunk_size`` rows at a time; per chunk the selected keys
+``[b, chunk, W, d_k]`` are gathered (in fp32, or fp64 for fp64 inputs) and the scores
+``[b, chunk, n, W]`` formed, never an ``[s, s]`` mask. Autograd saves only the inputs, the output and
+the per-row log-sum-exp ``[b, s, n]``; backward regathers each chunk (flash-attention style), so
+activation memory is linear in ``s``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _selected_keys(indices: torch.Tensor, first_row: int, key_start: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted, de-duplicated key indices of a query chunk and their validity.
+
+    ``indices`` int ``[b, c, W]`` for query rows ``first_row .. first_row + c - 1``. Returns
+    ``(keys, valid)``: int64 ``[b, c, W]`` (invalid slots hold 0) and bool ``[b, c, W]``.
+    """
+    rows = torch.arange(first_row, first_row + indices.size(1), device=indices.device)
+    lowest = key_start[rows] if key_start is not None else torch.zeros_like(rows)
+    keys = indices.to(torch.int64)
+    allowed = (keys >= lowest[None, :, None]) & (keys <= rows[None, :, None])
+    keys, _ = torch.where(allowed, keys, -1).sort(dim=-1)
+    valid = keys >= 0
+    valid[..., 1:] &= keys[..., 1:] != keys[..., :-1]
+    return keys.clamp(min=0), valid
+
+
+def _flat_rows(keys: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Row ids into a ``[b * s, d]`` key table for per-batch key positions ``keys [b, c, W]``;
+    int64 ``[b * c * W]``."""
+    batch_offset = torch.arange(keys.size(0), device=keys.device)[:, None, None] * seq_len
+    return (keys + batch_offset).reshape(-1)
+
+
+class _SparseMLAAttention(torch.autograd.Function):
+    """Chunked sparse MQA attention with recomputation in backward (see module docstring)."""
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
+                key_start: torch.Tensor | None, softmax_scale: float, v_channels: int,
+                chunk_size: int) -> torch.Tensor:
+        s, b, n, d = query.shape
+        compute = torch.promote_types(query.dtype, torch.float32)
+        flat_kv = latent_kv.detach().to(compute).permute(1, 0, 2, 3).reshape(b * s, d)
+        out = query.new_empty(s, b, n, v_channels)
+        lse = torch.empty(b, s, n, dtype=compute, device=query.device)
+        for r0 in range(0, s, chunk_size):
+            r1 = min(r0 + chunk_size, s)
+            keys, valid = _selected_keys(topk_indices[:, r0:r1], r0, key_start)
+            k_sel = flat_kv[_flat_rows(keys, s)].view(b, r1 - r0, -1, d)
+            q = query[r0:r1].detach().to(compute).transpose(0, 1)  # [b, c, n, d]
+            probs = torch.matmul(q, k_sel.transpose(-1, -2)).mul_(softmax_scale)  # [b, c, n, W]
+            probs.masked_fill_(~valid[:, :, None, :], float("-inf"))
+            row_lse = torch.logsumexp(probs, dim=-1)
+            row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # empty row -> p = 0
+            probs.sub_(row_lse[..., None]).exp_()
+            out[r0:r1] = torch.matmul(probs, k_sel[..., :v_channels]).transpose(0, 1)
+            lse[:, r0:r1] = row_lse
+        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.v_channels = v_channels
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN205
+        query, latent_kv, topk_indices, key_start, out, lse = ctx.saved_tensors
+        scale, v, chunk = ctx.softmax_scale, ctx.v_channels, ctx.chunk_size
+        s, b, n, d = query.shape
+        compute = lse.dtype
+        flat_kv = latent_kv.to(compute).permute(1, 0, 2, 3).reshape(b * s, d)
+        grad_flat_kv = torch.zeros_like(flat_kv)
+        grad_query = torch.empty_like(query)
+        for r0 in range(0, s, chunk):
+            r1 = min(r0 + chunk, s)
+            keys, valid = _selected_keys(topk_indices[:, r0:r1], r0, key_start)
+            rows = _flat_rows(keys, s)
+            k_sel = flat_kv[rows].view(b, r1 - r0, -1, d)
+            q = query[r0:r1].to(compute).transpose(0, 1)
+            d_out = grad_out[r0:r1].to(compute).transpose(0, 1)  # [b, c, n, v]
+            o = out[r0:r1].to(compute).transpose(0, 1)
+            probs = torch.matmul(q, k_sel.transpose(-1, -2)).mul_(scale)
+            probs.masked_fill_(~valid[:, :, None, :], float("-inf"))
+            probs.sub_(lse[:, r0:r1, :, None]).exp_()
+            # dS = P * (dP - rowsum(dO * O)) * scale
+            d_scores = torch.matmul(d_out, k_sel[..., :v].transpose(-1, -2))
+            d_scores.sub_((d_out * o).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+            grad_query[r0:r1] = torch.matmul(d_scores, k_sel).transpose(0, 1)
+            grad_k = torch.matmul(d_scores.transpose(-1, -2), q)  # [b, c, W, d]
+            grad_k[..., :v] += torch.matmul(probs.transpose(-1, -2), d_out)
+            grad_flat_kv.index_add_(0, rows, grad_k.reshape(-1, d))
+        grad_kv = grad_flat_kv.view(b, s, 1, d).transpose(0, 1).to(latent_kv.dtype)
+        return grad_query, grad_kv, None, None, None, None, None
+
+
+def sparse_mla_attention(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
+                         softmax_scale: float, *, v_channels: int, chunk_size: int,
+                         key_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ``query [s, b, n, d_k]`` over its selected latent keys.
+
+    See the module docstring for layouts and masking. Returns ``[s, b, n, v_channels]`` in
+    ``query.dtype``; differentiable in ``query`` and ``latent_kv``.
+    """
+    s, b, _, d = query.shape
+    if latent_kv.shape != (s, b, 1, d):
+        raise ValueError(f"latent_kv must be [{s}, {b}, 1, {d}], got {list(latent_kv.shape)}")
+    if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, s):
+        raise ValueError(f"topk_indices must be [{b}, {s}, W], got {list(topk_indices.shape)}")
+    if not 0 < v_channels <= d:
+        raise ValueError(f"v_channels={v_channels} must be in (0, {d}]")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return _SparseMLAAttention.apply(query, latent_kv, topk_indices, key_start, softmax_scale,
+                                     v_channels, chunk_size)

@@ -1,0 +1,124 @@
+"""Layer and block specs for GLM-5.x decoders on megatron-core's ``TransformerLayer``.
+
+Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
+(``kpool_layers.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
+and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest.
+Norms are the sequence-parallel capable ``SPNorm`` on the local backend.
+
+Backends: ``local`` (megatron's ColumnParallelLinear/RowParallelLinear, runs anywhere) is what this
+repository tests. ``te`` swaps in Transformer Engine's linears and norms through megatron's
+``TESpecProvider``; it needs ``transformer_engine`` importable and is not exercised here (no TE on
+the development or GPU machines).
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_mtp_block_spec_for_backend,
+    get_mlp_module_spec_for_backend,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+
+from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.norm import SPNorm
+
+BACKENDS = ("local", "te")
+
+
+class SPLocalSpecProvider(LocalSpecProvider):
+    """megatron's local backend with norms that accept sequence parallelism."""
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):  # noqa: ANN201
+        return SPNorm
+
+
+def backend_provider(backend: str) -> BackendSpecProvider:
+    """The spec provider for ``backend`` (``local`` or ``te``); a clear error if TE is missing."""
+    if backend == "local":
+        return SPLocalSpecProvider()
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        if not HAVE_TE:
+            raise ValueError(
+                "precision.backend/spec backend 'te' needs transformer_engine, which is not "
+                "importable here; allowed: local"
+            )
+        from megatron.core.models.backends import TESpecProvider
+
+        return TESpecProvider()
+    raise ValueError(f"spec backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
+
+
+def is_moe_layer(config: GLMTransformerConfig, layer_number: int) -> bool:
+    """Whether 1-indexed ``layer_number`` is an MoE layer under ``config.moe_layer_freq``."""
+    if config.num_moe_experts is None:
+        return False
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return (layer_number - 1) % freq == 0
+    return bool(freq[layer_number - 1])
+
+
+def glm_layer_spec(
+    config: GLMTransformerConfig, attention: ModuleSpec, moe: bool, backend: str = "local"
+) -> ModuleSpec:
+    """One decoder layer: pre-norm attention + pre-norm dense MLP or MoE, residual adds."""
+    provider = backend_provider(backend)
+    mlp = get_mlp_module_spec_for_backend(
+        backend=provider,
+        num_experts=config.num_moe_experts if moe else None,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+    )
+    norm = provider.layer_norm(rms_norm=config.normalization == "RMSNorm")
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm,
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def glm_decoder_block_spec(
+    config: GLMTransformerConfig,
+    attention: ModuleSpec,
+    backend: str = "local",
+    pp_rank: int | None = None,
+) -> TransformerBlockSubmodules:
+    """The layers this pipeline stage builds (all of them when PP = 1) and the final norm."""
+    layers = [
+        glm_layer_spec(config, attention, is_moe_layer(config, n), backend)
+        for n in range(1, config.num_layers + 1)
+    ]
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    per_stage = config.num_layers // config.pipeline_model_parallel_size
+    provider = backend_provider(backend)
+    return TransformerBlockSubmodules(
+        layer_specs=layers[offset : offset + per_stage],
+        layer_norm=provider.layer_norm(rms_norm=config.normalization == "RMSNorm"),
+    )
+
+
+def glm_mtp_block_spec(
+    config: GLMTransformerConfig, attention: ModuleSpec, backend: str = "local"
+):  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
+    """megatron's MTP block built from the last decoder layer's spec (GLM-5: one MTP layer)."""
+    if not config.mtp_num_layers:
+        return None
+    last = glm_layer_spec(config, attention, is_moe_layer(config, config.num_layers), backend)
+    return get_gpt_mtp_block_spec_for_backend(
+        config=config, spec=last, backend=backend_provider(backend)
+    )

@@ -1,0 +1,140 @@
+"""``train.dry_run=true``: build the full model on the ``meta`` device (no memory), print its
+parameter count (total and active per token), a per-rank memory estimate for the chosen
+parallelism and the precision map, then exit. Also the analytic parameter/FLOP model used for MFU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+
+from recipes.megatron_config import to_transformer_config
+from recipes.metrics import FlopModel
+
+
+def analytic_param_count(m: Any) -> tuple[int, int]:
+    """(total, active per token) parameters of a GLM-5.x model from its ``model`` config.
+
+    Matches megatron's built ``GPTModel`` exactly (tests check it against a meta build).
+    """
+    h, n = m.hidden_size, m.num_attention_heads
+    rope = m.qk_pos_emb_head_dim
+    attn = (h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * (m.qk_head_dim + rope)
+            + h * (m.kv_lora_rank + rope) + m.kv_lora_rank
+            + m.kv_lora_rank * n * (m.qk_head_dim + m.v_head_dim) + n * m.v_head_dim * h)
+    ih, idim = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
+    indexer = m.q_lora_rank * ih * idim + h * idim + 2 * idim + h * ih
+    if m.dsa_indexer_kpool > 1:
+        indexer += h * idim + m.dsa_indexer_kpool * idim
+    dense_mlp = 3 * h * m.ffn_hidden_size
+    experts = m.num_moe_experts or 0
+    routed = experts * 3 * h * m.moe_ffn_hidden_size
+    shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
+    router = h * experts + (experts if m.moe_router_enable_expert_bias else 0)
+
+    def layer(number: int, moe: bool) -> tuple[int, int]:
+        base = 2 * h + attn
+        if not is_dsa_skip_topk_layer(number, m.dsa_indexer_skip_topk_offset, m.dsa_indexer_topk_freq):
+            base += indexer
+        if not moe:
+            return base + dense_mlp, base + dense_mlp
+        active_routed = routed * m.moe_router_topk // experts
+        return base + router + shared + routed, base + router + shared + active_routed
+
+    total = active = 0
+    for number in range(1, m.num_layers + 1):
+        moe = experts > 0 and number > m.moe_first_k_dense_layers
+        t, a = layer(number, moe)
+        total, active = total + t, active + a
+    embed = m.vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1) + h
+    total, active = total + embed, active + embed
+    for _ in range(m.mtp_num_layers):
+        t, a = layer(m.num_layers, experts > 0)  # MTP layers copy the last decoder layer
+        extra = 3 * h + 2 * h * h  # enorm, hnorm, final norm, eh_proj
+        total, active = total + t + extra, active + a + extra
+    return total, active
+
+
+def flop_model(cfg: Any) -> FlopModel:
+    """FLOPs per token of ``cfg.model`` (see :class:`recipes.metrics.FlopModel`)."""
+    m = cfg.model
+    _, active = analytic_param_count(m)
+    index_layers = sum(
+        not is_dsa_skip_topk_layer(i, m.dsa_indexer_skip_topk_offset, m.dsa_indexer_topk_freq)
+        for i in range(1, m.num_layers + 1)
+    )
+    return FlopModel(
+        active_params=active - m.vocab_size * m.hidden_size,  # the input embedding is a lookup
+        num_layers=m.num_layers, heads=m.num_attention_heads,
+        qk_dim=m.kv_lora_rank + m.qk_pos_emb_head_dim, v_dim=m.kv_lora_rank,
+        topk=m.dsa_indexer_topk + (m.dsa_indexer_kpool - 1 if m.dsa_indexer_kpool_always_select_tail else 0),
+        index_heads=m.dsa_indexer_n_heads, index_dim=m.dsa_indexer_head_dim // m.dsa_indexer_kpool,
+        index_layers=index_layers,
+    )
+
+
+def memory_estimate_gib(cfg: Any, total: int, expert: int) -> dict[str, float]:
+    """Per-rank weights + grads + Adam state (GiB) under ``cfg.parallelism``.
+
+    bf16 weights (2 B) + fp32 main grads (4 B) + fp32 master/m/v (12 B, sharded over data
+    parallel ranks by the distributed optimizer); experts split over EP, the rest over TP, both
+    over PP. Activations are not included.
+    """
+    p = cfg.parallelism
+    world = p.nodes * p.gpus_per_node
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    dp = max(world // (tp * pp * p.context_parallel_size), 1)
+    edp = max(world // (ep * etp * pp), 1)
+    wbytes = 2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4
+    dense_rank = (total - expert) / (tp * pp)
+    expert_rank = expert / (ep * etp * pp)
+    opt_div_dense = dp if p.use_distributed_optimizer else 1
+    opt_div_expert = edp if p.use_distributed_optimizer else 1
+    weights = (dense_rank + expert_rank) * wbytes
+    grads = (dense_rank + expert_rank) * 4
+    optim = dense_rank * 12 / opt_div_dense + expert_rank * 12 / opt_div_expert
+    gib = 2**30
+    return {"weights": weights / gib, "grads": grads / gib, "optimizer": optim / gib,
+            "total": (weights + grads + optim) / gib}
+
+
+def dry_run(cfg: Any) -> None:
+    """Meta-device build at TP = PP = EP = 1 and the report; collective-free beyond group init."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from recipes.model import build_gpt_model, count_parameters, meta_init
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(cfg.train.seed)
+    tcfg = to_transformer_config(cfg)
+    for field in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "expert_model_parallel_size", "context_parallel_size"):
+        setattr(tcfg, field, 1)
+    tcfg.expert_tensor_parallel_size = 1
+    tcfg.sequence_parallel = False
+    with meta_init(tcfg):
+        model = build_gpt_model(cfg, tcfg)
+    counted = count_parameters(model, tcfg)
+    expert = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    mem = memory_estimate_gib(cfg, counted.total, expert)
+    if dist.get_rank() != 0:
+        return
+    p = cfg.parallelism
+    print(f"model {cfg.model.name}: {counted.total:,} parameters "
+          f"({counted.total / 1e9:.2f} B; MTP {counted.mtp:,}; embeddings+output {counted.embedding:,})")
+    print(f"active per token: {counted.active_per_token:,} ({counted.active_per_token / 1e9:.2f} B)")
+    print(f"per-rank memory at TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
+          f"EP={p.expert_model_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs: "
+          + ", ".join(f"{k} {v:.1f} GiB" for k, v in mem.items()) + " (activations excluded)")
+    print("precision map (module -> dtype):")
+    dtypes: dict[str, set[str]] = {}
+    for name, param in model.named_parameters():
+        role = ".".join(part for part in name.split(".") if not part.isdigit())
+        dtypes.setdefault(role, set()).add(str(param.dtype).replace("torch.", ""))
+    for role, kinds in sorted(dtypes.items()):
+        print(f"  {role}: {', '.join(sorted(kinds))}")

@@ -1,0 +1,271 @@
+"""The training loop: megatron-core's schedules, DDP, distributed optimizer, LR scheduler and
+dist checkpoints, driven by a composed config.
+
+``run(cfg, run_dir)`` is what ``train.py`` calls on every rank. It validates the config before
+anything expensive, starts the process groups, builds the model for this pipeline stage, resumes if
+asked, trains ``train.steps`` optimizer steps and writes ``metrics.jsonl`` / ``result.json`` /
+checkpoints into ``run_dir`` (rank 0 writes the files; every rank takes part in checkpoints).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from omegaconf import OmegaConf
+
+from kpool_layers.config import GLMTransformerConfig
+from recipes import checkpoint as ckpt
+from recipes import data as data_lib
+from recipes import distributed
+from recipes.dry_run import dry_run, flop_model
+from recipes.megatron_config import to_transformer_config
+from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
+from recipes.model import build_gpt_model
+from recipes.preemption import PreemptionGuard
+from recipes.schema import validate
+
+
+@dataclass
+class Trainer:
+    """Everything one rank holds while training."""
+
+    model: DistributedDataParallel
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    tcfg: GLMTransformerConfig
+    num_microbatches: int
+    dp_size: int
+
+
+def write_result(run_dir: Path, **fields: Any) -> None:
+    """``result.json`` (rank 0 only), read by the sweep summary and the SLURM tests."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "result.json.tmp"
+    tmp.write_text(json.dumps(fields, indent=1))
+    tmp.replace(run_dir / "result.json")
+
+
+def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float:
+    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run)."""
+    topo = distributed.launcher_topology()
+    try:
+        validate(cfg, topo.world_size)
+    except ValueError as err:
+        if topo.rank == 0:
+            write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],
+                         final_loss=None, steps=0)
+        raise
+    distributed.init_process_group(topo)
+    try:
+        if cfg.train.dry_run:
+            dry_run(cfg)
+            return math.nan
+        final = _train(cfg, run_dir, overrides or [])
+    except BaseException as err:
+        write_result(run_dir, status="failed", error=f"{type(err).__name__}: {err}",
+                     overrides=overrides or [], final_loss=None, steps=0)
+        raise
+    finally:
+        distributed.shutdown()
+    return final
+
+
+def _build(cfg: Any) -> Trainer:
+    distributed.init_model_parallel(cfg.parallelism, cfg.train.seed)
+    tcfg = to_transformer_config(cfg)
+    model: torch.nn.Module = build_gpt_model(cfg, tcfg)
+    if not torch.cuda.is_available():
+        model = model.to(torch.float32 if not tcfg.bf16 else torch.bfloat16)
+    else:
+        model = model.cuda()
+    if tcfg.bf16:
+        model = Float16Module(tcfg, model)
+    par = cfg.parallelism
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=par.overlap_grad_reduce,
+        use_distributed_optimizer=par.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(tcfg, ddp_config, model)
+    t = cfg.train
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
+            clip_grad=t.clip_grad, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype,
+            use_distributed_optimizer=par.use_distributed_optimizer,
+        ),
+        [ddp],
+    )
+    dp = ps.get_data_parallel_world_size()
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
+        lr_warmup_steps=t.lr_warmup_steps * t.global_batch_size,
+        lr_decay_steps=t.steps * t.global_batch_size,
+        lr_decay_style=getattr(t.lr_decay_style, "value", t.lr_decay_style),
+        start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.steps * t.global_batch_size, wd_incr_style="constant",
+    )
+    tcfg.grad_scale_func = optimizer.scale_loss
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.no_sync_func = ddp.no_sync
+    return Trainer(ddp, optimizer, scheduler, tcfg,
+                   t.global_batch_size // (t.micro_batch_size * dp), dp)
+
+
+def _batches(cfg: Any, consumed: int) -> data_lib.ResumableBatchIterator:
+    d, t = cfg.data, cfg.train
+    tokenizer = data_lib.build_tokenizer(d, cfg.model.vocab_size)
+    dataset = data_lib.build_train_dataset(
+        d, tokenizer=tokenizer, seq_length=d.seq_length,
+        num_samples=t.steps * t.global_batch_size, seed=t.seed,
+    )
+    return data_lib.ResumableBatchIterator(
+        dataset, micro_batch_size=t.micro_batch_size,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        consumed_samples=consumed, num_workers=d.num_workers,
+    )
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Token-mean cross entropy: (sum of losses, token count, [sum, count] for reporting)."""
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (output.float().reshape(-1) * mask).sum()
+    tokens = mask.sum().to(torch.int)
+    return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def _forward_step(device: torch.device, data_iterator: Iterator[dict], model: torch.nn.Module
+                  ) -> tuple[torch.Tensor, Callable]:
+    batch = {k: v.to(device) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_loss, batch["loss_mask"])
+
+
+def _reduce_loss(reports: list[dict]) -> float:
+    """Global token-mean loss: summed on each last-stage TP-rank-0 replica, then over the world."""
+    totals = torch.zeros(2, dtype=torch.float64)
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        for r in reports:
+            totals += r["lm loss"].detach().double().cpu()
+    if torch.cuda.is_available():
+        totals = totals.cuda()
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1].clamp(min=1)).item()
+
+
+def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
+    t = cfg.train
+    trainer = _build(cfg)
+    ckpt_root = Path(t.save) if t.save else run_dir / "checkpoints"
+    progress = ckpt.Progress()
+    resume_from = _resume_path(t.resume, ckpt_root)
+    if resume_from is not None:
+        progress = ckpt.load_checkpoint(resume_from, trainer.model, trainer.optimizer, trainer.scheduler)
+        _print0(f"resumed from {resume_from} at step {progress.step}")
+    elif t.load:
+        ckpt.load_weights(t.load, trainer.model)
+        _print0(f"loaded weights from {t.load}")
+    device = distributed.device()
+    batches = _batches(cfg, progress.consumed_samples)
+    rank0 = dist.get_rank() == 0
+    logger = MetricsLogger(run_dir, cfg.logging,
+                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)
+    guard = PreemptionGuard()
+    fwd_bwd = get_forward_backward_func()
+    tokens_per_step = t.global_batch_size * cfg.data.seq_length
+    flops = flop_model(cfg)
+    loss = math.nan
+    status = "completed"
+    try:
+        while progress.step < t.steps:
+            start = time.perf_counter()
+            trainer.model.zero_grad_buffer()
+            trainer.optimizer.zero_grad()
+            reports = fwd_bwd(
+                forward_step_func=partial(_forward_step, device), data_iterator=batches,
+                model=[trainer.model], num_microbatches=trainer.num_microbatches,
+                seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
+                forward_only=False,
+            )
+            ok, grad_norm, _ = trainer.optimizer.step()
+            trainer.scheduler.step(increment=t.global_batch_size)
+            loss = _reduce_loss(reports)
+            progress.step += 1
+            progress.consumed_samples += t.global_batch_size
+            step_time = time.perf_counter() - start
+            if progress.step % t.log_interval == 0 or progress.step == t.steps:
+                _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
+                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps)
+            stop = guard.should_stop()
+            if stop or (t.save_interval and progress.step % t.save_interval == 0):
+                path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
+                                            trainer.scheduler, progress, t.keep_checkpoints)
+                _print0(f"saved checkpoint {path}")
+            if stop:
+                status = "preempted"
+                _print0(f"{guard.signal_name} received: checkpoint saved at step {progress.step}")
+                guard.requeue()
+                break
+        if status == "completed" and (t.save_interval == 0 or progress.step % t.save_interval != 0):
+            path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
+                                        trainer.scheduler, progress, t.keep_checkpoints)
+            _print0(f"saved checkpoint {path}")
+    finally:
+        logger.close()
+    write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
+                 steps=progress.step)
+    return loss
+
+
+def _resume_path(resume: str, root: Path) -> Optional[Path]:
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return ckpt.latest_checkpoint(root)
+    path = Path(resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"train.resume={resume!r}: no such checkpoint directory; "
+                                "allowed: auto, none or an existing checkpoint directory")
+    return path
+
+
+def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],
+              trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
+              flops: FlopModel, device: torch.device, total_steps: int) -> None:
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    tokens_per_s = tokens_per_step / step_time
+    scalars = {"loss": loss, "grad_norm": float(grad_norm or 0.0), "lr": lr,
+               "tokens_per_s": tokens_per_s, "step_time_s": step_time,
+               "peak_mem_gib": peak_memory_gib(device)}
+    line = (f"step {step:>5}/{total_steps} | loss {loss:.4f} | grad_norm {scalars['grad_norm']:.3f}"
+            f" | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s")
+    if device.type == "cuda":
+        tflops = flops.per_token(seq_length) * tokens_per_s / dist.get_world_size() / 1e12
+        scalars["tflops_per_gpu"] = tflops
+        scalars["mfu"] = tflops / H200_BF16_TFLOPS
+        line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
+    line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
+    logger.log(step, scalars, console=line)
+
+
+def _print0(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(msg, flush=True)

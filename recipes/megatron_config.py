@@ -1,0 +1,88 @@
+"""The one place where the composed Hydra config becomes megatron-core's transformer config.
+
+``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
+derives differently (dtype, MoE layer pattern, parallel sizes, CPU/GPU kernel switches) are listed
+explicitly in :func:`to_transformer_config`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from kpool_layers.config import GLMTransformerConfig
+
+# ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
+_NOT_COPIED = {"name", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
+               "moe_first_k_dense_layers", "mtp_num_layers"}
+
+
+def _plain(node: Any) -> dict[str, Any]:
+    """A group node as a dict of plain values (enums -> their string values)."""
+    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dataclasses.asdict(node)
+    return {k: (v.value if isinstance(v, Enum) else v) for k, v in raw.items()}
+
+
+def sequence_parallel(parallelism: Any) -> bool:
+    """``parallelism.sequence_parallel``, where null means on exactly when TP > 1."""
+    sp = parallelism.sequence_parallel
+    return parallelism.tensor_model_parallel_size > 1 if sp is None else bool(sp)
+
+
+def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
+    """Composed config (``recipes.schema.Config`` or its DictConfig) -> ``GLMTransformerConfig``."""
+    model, par = _plain(cfg.model), cfg.parallelism
+    fields = {f.name for f in dataclasses.fields(GLMTransformerConfig)}
+    copied = {k: v for k, v in model.items() if k not in _NOT_COPIED}
+    unknown = set(copied) - fields
+    if unknown:
+        raise KeyError(f"model keys without a megatron field: {sorted(unknown)}")
+
+    bf16 = _plain(cfg.precision)["dtype"] == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    experts = model["num_moe_experts"]
+    first_dense = model["moe_first_k_dense_layers"]
+    moe_layer_freq: int | list[int] = (
+        [0] * first_dense + [1] * (model["num_layers"] - first_dense) if experts else 1
+    )
+    on_gpu = torch.cuda.is_available()
+    return GLMTransformerConfig(
+        **copied,
+        # MLA + DSA attention; the GLM-5 MLP is SwiGLU without biases.
+        multi_latent_attention=True,
+        experimental_attention_variant="dsa",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        # MoE layer pattern and router precision (GLM-5 routes in FP32).
+        moe_layer_freq=moe_layer_freq,
+        moe_router_dtype="fp32" if experts else None,
+        mtp_num_layers=model["mtp_num_layers"] or None,
+        # Parallelism.
+        tensor_model_parallel_size=par.tensor_model_parallel_size,
+        pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        context_parallel_size=par.context_parallel_size,
+        expert_model_parallel_size=par.expert_model_parallel_size,
+        expert_tensor_parallel_size=par.expert_tensor_parallel_size,
+        sequence_parallel=sequence_parallel(par),
+        # Precision.
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
+        use_cpu_initialization=not on_gpu,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )

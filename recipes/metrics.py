@@ -1,0 +1,108 @@
+"""Per-step scalars: console line, ``metrics.jsonl`` in the run dir, and Weights & Biases.
+
+Only the logging rank (global rank 0, which is on the last pipeline stage's data-parallel rank 0
+after the loss is broadcast) writes. ``logging.mode=disabled`` creates no wandb files at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+H200_BF16_TFLOPS = 756.0
+"""Measured dense bf16 matmul rate of one H200 on the lent device machine (docs/benchmarks.md)."""
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Model FLOPs per token for a GLM-5.x decoder (forward + backward = 3x forward).
+
+    forward per token = 2 * active parameters (all GEMMs)
+      + per layer: 2 * heads * (qk_dim + v_latent) * keys attended   (absorbed sparse MLA)
+      + per computing layer: 2 * index_heads * index_dim * keys scored   (lightning indexer)
+    with keys attended = min(topk, s/2) and keys scored = s/2 (causal average).
+    """
+
+    active_params: int
+    num_layers: int
+    heads: int
+    qk_dim: int
+    v_dim: int
+    topk: int
+    index_heads: int
+    index_dim: int
+    index_layers: int
+
+    def per_token(self, seq_length: int) -> float:
+        attended = min(self.topk, seq_length / 2)
+        fwd = 2 * self.active_params
+        fwd += 2 * self.num_layers * self.heads * (self.qk_dim + self.v_dim) * attended
+        fwd += 2 * self.index_layers * self.index_heads * self.index_dim * (seq_length / 2)
+        return 3 * fwd
+
+
+class MetricsLogger:
+    """Writes step records; a no-op on non-logging ranks."""
+
+    def __init__(self, run_dir: Path, logging_cfg: Any, full_config: dict[str, Any],
+                 enabled: bool) -> None:
+        self.enabled = enabled
+        self.run_dir = run_dir
+        self._jsonl = None
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        mode = getattr(logging_cfg.mode, "value", logging_cfg.mode)
+        if mode != "disabled":
+            import wandb
+
+            os.environ.setdefault("WANDB_SILENT", "true")
+            self._wandb = wandb.init(
+                mode=mode, project=logging_cfg.project, entity=logging_cfg.entity,
+                name=logging_cfg.run_name or run_dir.name, dir=str(run_dir),
+                tags=list(logging_cfg.tags), config=full_config, id=_wandb_id(run_dir),
+                resume="allow",
+            )
+
+    def log(self, step: int, scalars: dict[str, float], console: Optional[str] = None) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **scalars}
+        self._jsonl.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+        if console:
+            print(console, flush=True)
+
+    def set_summary(self, key: str, value: Any) -> None:
+        if self._wandb is not None:
+            self._wandb.summary[key] = value
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    """A stable wandb id per run dir so a resumed run appends to the same wandb run."""
+    import hashlib
+
+    return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak allocated accelerator memory (GiB); on CPU the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -1,0 +1,223 @@
+"""Plot and summarise top-k drift metrics from an offline wandb run.
+
+    python scripts/drift_report.py RUN_DIR [--out DIR] [--prefix dsa]
+
+RUN_DIR is a directory holding ``wandb/offline-run-*/run-*.wandb`` (searched recursively), an
+``offline-run-*`` directory, or a ``.wandb`` file. Keys ``<prefix>/<metric>/layer_<i>`` (as logged
+by the trainer, e.g. ``dsa/topk_overlap/layer_1``) are collected per metric, and for each metric
+the report writes ``<metric>_lines.png`` (value over steps, one line per layer),
+``<metric>_heatmap.png`` (layer x step) and a section of ``drift_report.md`` (per-layer first /
+last / mean / min). Output goes to ``RUN_DIR/drift_report`` unless ``--out`` is given.
+
+wandb 0.31 has no Python reader for its ``.wandb`` transaction log (the Go core writes it), so the
+file is read here: a LevelDB-style log (7-byte file header ``":W&B"``, magic ``0xBEE1``, version 0;
+32 KiB blocks of records with a 7-byte header ``crc32 | length | type``, types full / first /
+middle / last, CRC-32 of the type byte followed by the data) whose records are
+``wandb.proto.wandb_internal_pb2.Record`` protobufs. History values come from the typed
+``HistoryItem.value`` oneof or from ``value_json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import struct
+import sys
+import zlib
+from pathlib import Path
+from typing import Iterator, Optional
+
+HEADER = struct.Struct("<4sHB")
+RECORD_HEADER = struct.Struct("<IHB")
+IDENT, MAGIC, VERSION = b":W&B", 0xBEE1, 0
+BLOCK = 32768
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+Series = dict[str, dict[int, dict[int, float]]]
+"""metric -> layer -> step -> value."""
+
+
+def find_run_files(path: Path) -> list[Path]:
+    """The ``.wandb`` files of a run directory, oldest first (offline-run dirs are timestamped)."""
+    if path.is_file():
+        return [path]
+    files = sorted(path.rglob("run-*.wandb"), key=lambda p: p.parent.name)
+    files = [f for f in files if f.parent.name.startswith(("offline-run-", "run-"))]
+    if not files:
+        raise FileNotFoundError(f"no wandb/offline-run-*/run-*.wandb under {path}")
+    return files
+
+
+def iter_records(path: Path) -> Iterator[bytes]:
+    """Payloads of the log records of a ``.wandb`` file; stops at a truncated tail (a run that
+    was killed mid-write) and raises ``ValueError`` on a bad header or checksum."""
+    data = path.read_bytes()
+    if len(data) < HEADER.size:
+        raise ValueError(f"{path}: too short for a wandb log header")
+    ident, magic, version = HEADER.unpack_from(data)
+    if (ident, magic, version) != (IDENT, MAGIC, VERSION):
+        raise ValueError(f"{path}: not a wandb v0 log (header {ident!r} {magic:#x} v{version})")
+    off, pending = HEADER.size, b""
+    while True:
+        if BLOCK - off % BLOCK < RECORD_HEADER.size:
+            off += BLOCK - off % BLOCK  # block trailer too small for a header: zero padding
+        if off + RECORD_HEADER.size > len(data):
+            return
+        crc, length, kind = RECORD_HEADER.unpack_from(data, off)
+        start = off + RECORD_HEADER.size
+        if start + length > len(data) or (crc, length, kind) == (0, 0, 0):
+            return
+        chunk = data[start : start + length]
+        if zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != crc:
+            raise ValueError(f"{path}: checksum mismatch at byte {off}")
+        off = start + length
+        if kind == FULL:
+            yield chunk
+        elif kind == FIRST:
+            pending = chunk
+        elif kind == MIDDLE:
+            pending += chunk
+        elif kind == LAST:
+            yield pending + chunk
+            pending = b""
+        else:
+            raise ValueError(f"{path}: unknown record type {kind} at byte {off}")
+
+
+def _item_value(item) -> Optional[float]:  # noqa: ANN001 (wandb_internal_pb2.HistoryItem)
+    kind = item.WhichOneof("value")
+    if kind in ("integer", "number", "boolean"):
+        value = getattr(item, kind)
+    elif kind == "json":
+        value = json.loads(item.json)
+    elif kind is None and item.value_json:
+        value = json.loads(item.value_json)
+    else:
+        return None
+    return float(value) if isinstance(value, (int, float)) else None  # bool is an int
+
+
+def read_history(path: Path) -> dict[int, dict[str, float]]:
+    """Numeric history of one ``.wandb`` file: step -> {key: value}."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    rows: dict[int, dict[str, float]] = {}
+    for payload in iter_records(path):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") != "history":
+            continue
+        row = rows.setdefault(record.history.step.num, {})
+        for item in record.history.item:
+            key = item.key or ".".join(item.nested_key)
+            value = _item_value(item)
+            if value is not None:
+                row[key] = value
+    return rows
+
+
+def drift_series(history: dict[int, dict[str, float]], prefix: str = "dsa") -> Series:
+    """``<prefix>/<metric>/layer_<i>`` keys of ``history`` as metric -> layer -> step -> value."""
+    pattern = re.compile(rf"^{re.escape(prefix)}/(?P<metric>[^/]+)/layer_(?P<layer>\d+)$")
+    series: Series = {}
+    for step, row in history.items():
+        for key, value in row.items():
+            m = pattern.match(key)
+            if m and math.isfinite(value):
+                series.setdefault(m["metric"], {}).setdefault(int(m["layer"]), {})[step] = value
+    return series
+
+
+def plot_metric(metric: str, layers: dict[int, dict[int, float]], out: Path) -> list[Path]:
+    """``<metric>_lines.png`` and ``<metric>_heatmap.png`` in ``out``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    order = sorted(layers)
+    steps = sorted({s for per_step in layers.values() for s in per_step})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for layer in order:
+        xs = sorted(layers[layer])
+        ax.plot(xs, [layers[layer][s] for s in xs], label=f"layer {layer}", marker="." if len(xs) < 50 else None)
+    ax.set(xlabel="step", ylabel=metric, title=f"{metric} per layer")
+    ax.legend(fontsize="small", ncol=max(1, len(order) // 12))
+    lines = out / f"{metric}_lines.png"
+    fig.tight_layout()
+    fig.savefig(lines, dpi=100)
+    plt.close(fig)
+
+    grid = np.full((len(order), len(steps)), np.nan)
+    col = {s: j for j, s in enumerate(steps)}
+    for i, layer in enumerate(order):
+        for s, v in layers[layer].items():
+            grid[i, col[s]] = v
+    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.3 * len(order) + 1.5)))
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    ax.set_yticks(range(len(order)), [str(layer) for layer in order])
+    ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
+    ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
+    ax.set(xlabel="step", ylabel="layer", title=f"{metric} (layer x step)")
+    fig.colorbar(image, ax=ax)
+    heatmap = out / f"{metric}_heatmap.png"
+    fig.tight_layout()
+    fig.savefig(heatmap, dpi=100)
+    plt.close(fig)
+    return [lines, heatmap]
+
+
+def summary_markdown(series: Series, source: list[Path]) -> str:
+    """Markdown: one table per metric with first / last / mean / min (and its step) per layer."""
+    lines = ["# Top-k drift report", "", "Source: " + ", ".join(f"`{p}`" for p in source), ""]
+    if not series:
+        lines.append("No drift metrics found.")
+    for metric in sorted(series):
+        layers = series[metric]
+        lines += [f"## {metric}", "", f"![lines]({metric}_lines.png) ![heatmap]({metric}_heatmap.png)", ""]
+        lines += ["| layer | steps | first | last | mean | min | min step |", "|---|---|---|---|---|---|---|"]
+        for layer in sorted(layers):
+            per_step = layers[layer]
+            steps = sorted(per_step)
+            low = min(steps, key=lambda s: per_step[s])
+            mean = sum(per_step.values()) / len(per_step)
+            lines.append(
+                f"| {layer} | {len(steps)} | {per_step[steps[0]]:.4f} | {per_step[steps[-1]]:.4f} "
+                f"| {mean:.4f} | {per_step[low]:.4f} | {low} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Path:
+    """Read the run, write the plots and ``drift_report.md`` to ``out``; returns the markdown path."""
+    files = find_run_files(run_dir)
+    history: dict[int, dict[str, float]] = {}
+    for f in files:  # resumed runs: later files override the steps they repeat
+        for step, row in read_history(f).items():
+            history.setdefault(step, {}).update(row)
+    series = drift_series(history, prefix)
+    out = out or (run_dir if run_dir.is_dir() else run_dir.parent) / "drift_report"
+    out.mkdir(parents=True, exist_ok=True)
+    for metric, layers in series.items():
+        plot_metric(metric, layers, out)
+    md = out / "drift_report.md"
+    md.write_text(summary_markdown(series, files))
+    return md
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", type=Path, help="run directory, offline-run-* directory or .wandb file")
+    parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/drift_report)")
+    parser.add_argument("--prefix", default="dsa", help="metric key prefix (default: dsa)")
+    args = parser.parse_args(argv)
+    print(report(args.run_dir, args.out, args.prefix))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Config composition: every option of every group composes; invalid configs fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import OmegaConfBaseException
+
+from recipes.distributed import register_resolvers
+from recipes.megatron_config import to_transformer_config
+from recipes.schema import ConfigError, register_configs, validate
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_resolvers()
+register_configs()
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [(g, o) for g in ("model", "precision", "parallelism", "data", "train", "logging", "experiment")
+     for o in _options(g)],
+)
+def test_every_option_composes(group: str, option: str) -> None:
+    cfg = _compose([f"{group}={option}"])
+    if group in ("model", "precision", "parallelism", "data", "logging"):
+        assert cfg[group].name == option
+    world = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
+    if group == "data" and option == "indexed":
+        with pytest.raises(ConfigError, match="data.paths"):
+            validate(cfg, world)
+        return
+    validate(cfg, world)
+    tcfg = to_transformer_config(cfg)
+    assert tcfg.num_layers == cfg.model.num_layers
+    assert tcfg.q_lora_rank == cfg.model.q_lora_rank
+    assert tcfg.dsa_indexer_kpool == cfg.model.dsa_indexer_kpool
+
+
+def test_model_fields_map_one_to_one() -> None:
+    cfg = _compose(["model=glm5_2", "precision=bf16"])
+    tcfg = to_transformer_config(cfg)
+    assert (tcfg.hidden_size, tcfg.kv_lora_rank, tcfg.qk_head_dim, tcfg.v_head_dim) == (6144, 512, 192, 256)
+    assert (tcfg.dsa_indexer_topk_freq, tcfg.dsa_indexer_skip_topk_offset) == (4, 3)
+    assert tcfg.moe_layer_freq == [0, 0, 0] + [1] * 75
+    assert tcfg.bf16 and tcfg.moe_router_dtype == "fp32" and tcfg.mtp_num_layers == 1
+
+
+# (overrides, world size, key named in the message)
+INVALID = [
+    (["parallelism.tensor_model_parallel_size=3"], 3, "parallelism.tensor_model_parallel_size"),
+    (["parallelism=tp2"], 3, "parallelism.tensor_model_parallel_size"),
+    (["parallelism.pipeline_model_parallel_size=3", "train.global_batch_size=6"], 3,
+     "parallelism.pipeline_model_parallel_size"),
+    (["train.global_batch_size=6", "train.micro_batch_size=4"], 1, "train.global_batch_size"),
+    (["train.global_batch_size=4", "train.micro_batch_size=2"], 4, "train.global_batch_size"),
+    (["parallelism.expert_model_parallel_size=3", "train.global_batch_size=6"], 3,
+     "parallelism.expert_model_parallel_size"),
+    (["model.moe_router_topk=9"], 1, "model.moe_router_topk"),
+    (["model.dsa_indexer_kpool=3"], 1, "model.dsa_indexer_kpool"),
+    (["model.dsa_indexer_kpool=128", "model.dsa_indexer_topk=128"], 1, "model.dsa_indexer_kpool"),
+    (["model.dsa_indexer_kpool=4", "model.dsa_indexer_topk=18"], 1, "model.dsa_indexer_topk"),
+    (["model.dsa_indexer_head_dim=48"], 1, "model.dsa_indexer_head_dim"),
+    (["model.qk_pos_emb_head_dim=7"], 1, "model.qk_pos_emb_head_dim"),
+    (["parallelism.context_parallel_size=2"], 2, "parallelism.context_parallel_size"),
+    (["parallelism=tp2", "parallelism.sequence_parallel=false"], 2, "parallelism.sequence_parallel"),
+    (["parallelism.sequence_parallel=true"], 1, "parallelism.sequence_parallel"),
+    (["data.seq_length=8192"], 1, "data.seq_length"),
+    (["data=indexed"], 1, "data.paths"),
+    (["data=indexed", "data.paths=[x]"], 1, "data.tokenizer"),
+    (["train.lr=-1"], 1, "train.lr"),
+    (["train.lr_warmup_steps=30"], 1, "train.lr_warmup_steps"),
+    (["train.steps=0"], 1, "train.steps"),
+    (["model=glm5_2", "parallelism.pipeline_model_parallel_size=2"], 2,
+     "parallelism.pipeline_model_parallel_size"),
+    (["model.num_moe_experts=null", "parallelism.expert_model_parallel_size=2"], 2,
+     "parallelism.expert_model_parallel_size"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,key", INVALID, ids=[k for _, _, k in INVALID])
+def test_invalid_config_names_the_key(overrides: list[str], world: int, key: str) -> None:
+    cfg = _compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world)
+    assert err.value.key == key
+    assert key in str(err.value) and "allowed" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("model.foo=1", "model.foo"), ("train.steps=abc", "train.steps"),
+     ("model.normalization=Foo", "model.normalization"), ("logging.mode=loud", "logging.mode"),
+     ("data.kind=csv", "data.kind"), ("precision.dtype=fp64", "precision.dtype")],
+)
+def test_schema_rejects_unknown_keys_and_types(override: str, key: str) -> None:
+    with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
+        _compose([override])
+    text = str(err.value) + str(getattr(err.value, "__cause__", ""))
+    assert key.split(".")[-1] in text

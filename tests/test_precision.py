@@ -1,0 +1,239 @@
+"""Precision policy routing, backend resolution and the quantized linear (emulate on CPU, the
+torch FP8 GEMM on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kpool_layers import fp8, precision
+from kpool_layers.precision import PrecisionPolicy, Role
+
+ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
+MLA = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.kv_up", "mla.out"}
+INDEXER_QK = {"indexer.q", "indexer.k", "indexer.kpool_gate"}
+
+EXPECTED_QUANTIZED = {
+    "bf16": set(),
+    "fp8": ALWAYS | MLA | INDEXER_QK | {"indexer.weights"},
+    "serving_match": ALWAYS,
+}
+
+
+@pytest.mark.parametrize("name", precision.PROFILES)
+def test_profile_routing_table(name):
+    policy = PrecisionPolicy.profile(name)
+    got = {role.value for role in Role if policy.quantized(role)}
+    assert got == EXPECTED_QUANTIZED[name]
+    assert len(Role) == 18
+
+
+def test_profile_dtypes_and_flags():
+    bf16 = torch.bfloat16
+    sm = PrecisionPolicy.profile("serving_match")
+    assert sm.fp8 and sm.recipe == "blockwise" and sm.scale_format == "ue8m0"
+    assert sm.dsa_indexer_kpool_use_quantization and sm.dsa_indexer_k_norm_fp32
+    assert sm.dtype("indexer.weights") == torch.float32
+    assert sm.dtype("moe.router") == torch.float32
+    assert sm.dtype("embedding") == bf16 and sm.dtype("output") == bf16 and sm.dtype("mla.q_up") == bf16
+    fp8_profile = PrecisionPolicy.profile("fp8")
+    assert fp8_profile.dtype("indexer.weights") == bf16
+    assert fp8_profile.dtype("indexer.weights", params_dtype=torch.float32) == torch.float32
+    assert not fp8_profile.dsa_indexer_kpool_use_quantization
+    assert PrecisionPolicy.profile("bf16").dtype("moe.router") == torch.float32
+    assert PrecisionPolicy.profile("fp8", recipe="rowwise").recipe == "rowwise"
+
+
+def test_policy_validation_names_keys():
+    with pytest.raises(ValueError, match=r"precision\.recipe='mxfp8'"):
+        PrecisionPolicy(recipe="mxfp8")
+    with pytest.raises(ValueError, match=r"precision\.scale_format"):
+        PrecisionPolicy(scale_format="e5m2")
+    with pytest.raises(ValueError, match=r"precision\.dsa_indexer_weights_proj_disable_quantization"):
+        PrecisionPolicy(fp8=True, dsa_indexer_weights_proj_dtype="fp32")
+    with pytest.raises(ValueError, match=r"precision\.profile"):
+        PrecisionPolicy.profile("fp4")
+    with pytest.raises(ValueError):
+        PrecisionPolicy().quantized("mla.q_proj")
+
+
+def test_backend_resolution(monkeypatch):
+    monkeypatch.setattr(precision, "_te_importable", lambda: False)
+    monkeypatch.setattr(precision, "_cuda_fp8_available", lambda: False)
+    assert precision.resolve_backend("auto") == "emulate"
+    with pytest.raises(ValueError) as err:
+        precision.resolve_backend("te")
+    msg = str(err.value)
+    assert "precision.backend" in msg and "'te'" in msg and "['emulate']" in msg
+    monkeypatch.setattr(precision, "_cuda_fp8_available", lambda: True)
+    assert precision.resolve_backend("auto") == "torch"
+    monkeypatch.setattr(precision, "_te_importable", lambda: True)
+    assert precision.available_backends() == ["te", "torch", "emulate"]
+    assert precision.resolve_backend("auto") == "te"
+    with pytest.raises(ValueError, match=r"precision\.backend='cuda'"):
+        precision.resolve_backend("cuda")
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_emulate_forward_matches_quantize_dequantize(recipe):
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 5, 256, generator=g), torch.randn(192, 256, generator=g) * 0.05
+    y = precision.quantized_matmul(x, w, recipe, "emulate")
+    xd = fp8.emulate(x.reshape(15, 256), recipe, "activation")
+    wd = fp8.emulate(w, recipe, "weight")
+    assert y.shape == (3, 5, 192)
+    torch.testing.assert_close(y, (xd @ wd.t()).reshape(3, 5, 192), rtol=0, atol=0)
+    assert not torch.equal(y, x @ w.t())  # quantization really happened
+
+
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_close_to_unquantized(recipe, dtype):
+    g = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(64, 256, generator=g), torch.randn(128, 256, generator=g) * 0.05
+    gy = torch.randn(64, 128, generator=g)
+    grads = {}
+    for quant in (False, True):
+        x, w = x0.to(dtype).requires_grad_(), w0.to(dtype).requires_grad_()
+        y = precision.quantized_matmul(x, w, recipe, "emulate") if quant else x @ w.t()
+        y.backward(gy.to(dtype))
+        assert x.grad.dtype == dtype and w.grad.dtype == dtype
+        grads[quant] = (x.grad.float(), w.grad.float())
+    for ref, got in zip(grads[False], grads[True]):
+        assert torch.isfinite(got).all()
+        assert torch.nn.functional.cosine_similarity(ref.flatten(), got.flatten(), dim=0) > 0.99
+
+
+def test_backward_is_straight_through():
+    # dx = dy @ Q(w), dw = dy.T @ Q(x) exactly (FP32 inputs).
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 128, generator=g).requires_grad_()
+    w = torch.randn(8, 128, generator=g).requires_grad_()
+    gy = torch.randn(4, 8, generator=g)
+    precision.quantized_matmul(x, w, "blockwise", "emulate").backward(gy)
+    torch.testing.assert_close(x.grad, gy @ fp8.emulate(w.detach(), "blockwise", "weight"), rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, gy.t() @ fp8.emulate(x.detach(), "blockwise", "activation"), rtol=0, atol=0)
+
+
+def test_quantized_matmul_rejects_te():
+    with pytest.raises(ValueError, match="fp8_autocast"):
+        precision.quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "blockwise", "te")
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_up = torch.nn.Linear(128, 256)
+        self.idx_q = torch.nn.Linear(128, 128, bias=False)
+        self.idx_w = torch.nn.Linear(128, 4, bias=False)
+        self.fc1 = torch.nn.Linear(128, 256)
+        self.norm = torch.nn.LayerNorm(128)
+
+
+_TOY_ROLES = {"q_up": "mla.q_up", "idx_q": "indexer.q", "idx_w": "indexer.weights", "fc1": "mlp.fc1"}
+
+
+def _toy_role_of(name: str, module: torch.nn.Module) -> str | None:
+    return _TOY_ROLES.get(name)
+
+
+def test_apply_precision_nn_linear_serving_match():
+    torch.manual_seed(0)
+    model = _Toy().to(torch.bfloat16)
+    x = torch.randn(6, 128).to(torch.bfloat16)
+    before = {n: getattr(model, n)(x) for n in _TOY_ROLES}
+    policy = PrecisionPolicy.profile("serving_match", backend="emulate")
+    rows = precision.apply_precision(model, policy, _toy_role_of)
+    assert rows == [
+        {"module": "q_up", "role": "mla.q_up", "quantized": False, "dtype": "bfloat16", "backend": "none"},
+        {"module": "idx_q", "role": "indexer.q", "quantized": False, "dtype": "bfloat16", "backend": "none"},
+        {"module": "idx_w", "role": "indexer.weights", "quantized": False, "dtype": "float32", "backend": "none"},
+        {"module": "fc1", "role": "mlp.fc1", "quantized": True, "dtype": "bfloat16", "backend": "emulate"},
+    ]
+    # Unquantized BF16 roles are untouched.
+    assert "forward" not in vars(model.q_up) and torch.equal(model.q_up(x), before["q_up"])
+    # FP32 weights projection: FP32 output from FP32 operands.
+    w_out = model.idx_w(x)
+    assert w_out.dtype == torch.float32
+    torch.testing.assert_close(w_out, x.float() @ model.idx_w.weight.float().t(), rtol=0, atol=0)
+    # Quantized MLP: the emulated FP8 GEMM plus bias.
+    expected = precision.quantized_matmul(x, model.fc1.weight, "blockwise", "emulate") + model.fc1.bias
+    assert torch.equal(model.fc1(x), expected) and not torch.equal(expected, before["fc1"])
+    # Re-routing under fp8 quantizes the MLA projection too; under bf16 everything is as before.
+    precision.apply_precision(model, PrecisionPolicy.profile("fp8", backend="emulate"), _toy_role_of)
+    assert model.q_up(x).dtype == torch.bfloat16 and not torch.equal(model.q_up(x), before["q_up"])
+    precision.apply_precision(model, PrecisionPolicy.profile("bf16"), _toy_role_of)
+    for n in ("q_up", "idx_q", "fc1"):
+        assert "forward" not in vars(getattr(model, n)) and torch.equal(getattr(model, n)(x), before[n])
+    assert model.idx_w(x).dtype == torch.bfloat16
+
+
+def test_apply_precision_rejects_non_linear():
+    def role_of(name: str, module: torch.nn.Module) -> str | None:
+        return "mlp.fc1" if name == "norm" else None
+
+    with pytest.raises(ValueError, match="norm .*LayerNorm.* mlp.fc1"):
+        precision.apply_precision(_Toy(), PrecisionPolicy.profile("fp8", backend="emulate"), role_of)
+
+
+def _megatron_config():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=1, hidden_size=128, num_attention_heads=1, use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_apply_precision_megatron_linear(single_rank_parallel_state, kind):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    config = _megatron_config()
+    init = torch.nn.init.xavier_normal_
+    if kind == "column":
+        layer = ColumnParallelLinear(128, 256, config=config, init_method=init, bias=True, gather_output=False)
+    else:
+        layer = RowParallelLinear(128, 256, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False)
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear_fc1 = layer
+
+    model = Wrapper()
+    torch.manual_seed(3)
+    x = torch.randn(5, 2, 128, requires_grad=True)  # [s, b, h]
+    ref_out, _ = layer(x)
+    policy = PrecisionPolicy.profile("fp8", backend="emulate")
+    rows = precision.apply_precision(model, policy, lambda n, m: "mlp.fc1" if n == "linear_fc1" else None)
+    assert rows[0]["quantized"] and rows[0]["backend"] == "emulate"
+    out, _ = layer(x)
+    expected = precision.quantized_matmul(x.detach(), layer.weight.detach(), "blockwise", "emulate") + layer.bias.detach()
+    torch.testing.assert_close(out.detach(), expected, rtol=1e-6, atol=1e-6)
+    out.square().sum().backward()
+    assert torch.isfinite(layer.weight.grad).all() and torch.isfinite(x.grad).all()
+    layer.weight.grad = None
+    ref_out.square().sum().backward()
+    assert torch.nn.functional.cosine_similarity(out.detach().flatten(), ref_out.detach().flatten(), dim=0) > 0.99
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA FP8 GEMM (torch backend)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_torch_backend_matches_emulate(recipe):
+    if not precision._cuda_fp8_available():
+        pytest.skip("needs an FP8-capable GPU (sm_89+)")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(200, 512, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(768, 512, device="cuda", generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    y = precision.quantized_matmul(x, w, recipe, "torch")
+    y_emu = precision.quantized_matmul(x.detach().float(), w.detach().float(), recipe, "emulate")
+    assert y.dtype == torch.bfloat16 and y.shape == (200, 768)
+    torch.testing.assert_close(y.float(), y_emu, rtol=1e-2, atol=1e-2)
+    y.float().square().sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()

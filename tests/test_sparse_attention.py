@@ -1,0 +1,138 @@
+"""Sparse absorbed-MLA attention equals dense attention with a mask keeping exactly the selected
+keys (fp64 reference), forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kpool_layers.sparse_attention import sparse_mla_attention
+
+
+def dense_masked_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,
+                           scale: float, v_channels: int,
+                           key_start: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 dense attention; key j is visible to query i iff j is in topk[b, i], j <= i and
+    j >= key_start[i]. Rows without a visible key return 0."""
+    s, b, n, d = query.shape
+    q = query.double().permute(1, 2, 0, 3)  # [b, n, s, d]
+    k = latent_kv.double().permute(1, 2, 0, 3)  # [b, 1, s, d]
+    scores = q @ k.transpose(-1, -2) * scale  # [b, n, s, s]
+    keep = torch.zeros(b, s, s + 1, dtype=torch.bool)
+    keep.scatter_(2, torch.where(topk < 0, s, topk).long(), True)
+    keep = keep[..., :s]
+    rows = torch.arange(s)
+    keep &= rows[None, None, :] <= rows[None, :, None]
+    if key_start is not None:
+        keep &= rows[None, None, :] >= key_start[None, :, None]
+    scores = scores.masked_fill(~keep[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = probs @ k[..., :v_channels]  # [b, n, s, v]
+    return out.permute(2, 0, 1, 3)
+
+
+def _inputs(s: int = 10, b: int = 2, n: int = 3, d: int = 12, width: int = 5,
+            dtype: torch.dtype = torch.float64, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(s, b, n, d, generator=gen, dtype=torch.float64).to(dtype)
+    latent = torch.randn(s, b, 1, d, generator=gen, dtype=torch.float64).to(dtype)
+    # random causal picks (some future / duplicate / empty slots on purpose)
+    topk = torch.randint(-1, s, (b, s, width), generator=gen)
+    return query.requires_grad_(), latent.requires_grad_(), topk
+
+
+def _grads(out: torch.Tensor, inputs: tuple[torch.Tensor, ...], seed: int = 1):
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float64).to(out.dtype)
+    return torch.autograd.grad((out * weight).sum(), inputs)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 10, 64])
+def test_sparse_equals_dense_masked_fp64(chunk: int) -> None:
+    query, latent, topk = _inputs()
+    out = sparse_mla_attention(query, latent, topk, 0.3, v_channels=8, chunk_size=chunk)
+    ref = dense_masked_reference(query, latent, topk, 0.3, 8)
+    assert out.shape == (10, 2, 3, 8) and out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(_grads(out, (query, latent)), _grads(ref, (query, latent))):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+
+
+def test_document_start_masks_earlier_documents() -> None:
+    query, latent, topk = _inputs(s=9, width=9)
+    key_start = torch.tensor([0, 0, 0, 3, 3, 3, 3, 7, 7])
+    out = sparse_mla_attention(query, latent, topk, 0.5, v_channels=12, chunk_size=4,
+                               key_start=key_start)
+    ref = dense_masked_reference(query, latent, topk, 0.5, 12, key_start)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(_grads(out, (query, latent)), _grads(ref, (query, latent))):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    unmasked = sparse_mla_attention(query, latent, topk, 0.5, v_channels=12, chunk_size=4)
+    assert not torch.allclose(out[3:], unmasked[3:])
+
+
+def test_rows_without_valid_keys_are_zero_not_nan() -> None:
+    query, latent, _ = _inputs(s=6, b=1)
+    topk = torch.full((1, 6, 3), -1)
+    topk[0, 4] = torch.tensor([5, -1, 2])  # only key 2 valid (5 is in the future)
+    topk[0, 1] = torch.tensor([3, 4, 5])  # all future -> empty
+    out = sparse_mla_attention(query, latent, topk, 1.0, v_channels=4, chunk_size=2)
+    grads = _grads(out, (query, latent))
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    empty_rows = [0, 1, 2, 3, 5]
+    assert (out[empty_rows] == 0).all()
+    assert (grads[0][empty_rows] == 0).all()
+    torch.testing.assert_close(out[4, 0], latent[2, 0, 0, :4].expand(3, 4))
+
+
+def test_duplicate_indices_count_once() -> None:
+    query, latent, _ = _inputs(s=5, b=1)
+    dup = torch.tensor([[[0, 0, 0, -1]] * 5]).expand(1, 5, 4).clone()
+    dup[0, 4] = torch.tensor([0, 3, 3, 0])
+    once = dup.clone()
+    once[0, 4] = torch.tensor([0, 3, -1, -1])
+    out_dup = sparse_mla_attention(query, latent, dup, 1.0, v_channels=6, chunk_size=2)
+    out_once = sparse_mla_attention(query, latent, once, 1.0, v_channels=6, chunk_size=2)
+    torch.testing.assert_close(out_dup, out_once, rtol=0, atol=0)
+    torch.testing.assert_close(out_dup, dense_masked_reference(query, latent, dup, 1.0, 6))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_low_precision_close_to_fp64(dtype: torch.dtype, tol: float) -> None:
+    query, latent, topk = _inputs(s=12, dtype=dtype, width=6)
+    out = sparse_mla_attention(query, latent, topk, 0.25, v_channels=8, chunk_size=5)
+    ref = dense_masked_reference(query, latent, topk, 0.25, 8)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    grads = _grads(out, (query, latent))
+    ref_grads = _grads(ref, (query, latent))
+    assert grads[0].dtype == dtype and grads[1].dtype == dtype
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got.double(), want.double(), rtol=tol, atol=tol * 4)
+
+
+def test_saved_activations_are_linear_in_sequence_length() -> None:
+    s, n, width, d = 128, 2, 8, 12
+    query, latent, topk = _inputs(s=s, b=1, n=n, d=d, width=width)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sparse_mla_attention(query, latent, topk, 1.0, v_channels=8, chunk_size=4)
+    out.sum().backward()
+    # inputs, output and log-sum-exp only: never [s, s] scores nor [s, W, d] gathered keys
+    assert saved and max(saved) <= s * n * d < s * width * d
+    assert sum(saved) == s * n * d + s * d + s * width + s * n * 8 + s * n
+
+
+def test_shape_validation() -> None:
+    query, latent, topk = _inputs()
+    with pytest.raises(ValueError, match="latent_kv"):
+        sparse_mla_attention(query, latent[:, :, :, :4], topk, 1.0, v_channels=4, chunk_size=4)
+    with pytest.raises(ValueError, match="topk_indices"):
+        sparse_mla_attention(query, latent, topk.transpose(0, 1), 1.0, v_channels=4, chunk_size=4)
+    with pytest.raises(ValueError, match="v_channels"):
+        sparse_mla_attention(query, latent, topk, 1.0, v_channels=13, chunk_size=4)

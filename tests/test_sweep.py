@@ -1,0 +1,155 @@
+"""recipes.sweep: sweep summary from job dirs, and end to end through a Hydra multirun."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from hydra.core.utils import JobReturn, JobStatus
+
+from recipes.sweep import find_job_dirs, record_job_result, write_summary
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _metrics(kpool: int, steps: int, indexer: bool = True) -> str:
+    lines = []
+    for step in range(1, steps + 1):
+        record = {"step": step, "loss": 8.0 / step + kpool, "grad_norm": 1.0, "lr": 1e-4,
+                  "tokens_per_s": 1000.0 * kpool + step, "step_time_s": 0.5,
+                  "peak_mem_gib": 10.0 + step}
+        if indexer:
+            record["indexer_time_share"] = 0.1 * kpool
+        lines.append(json.dumps(record))
+    return "\n".join(lines) + "\n"
+
+
+def _job(sweep: Path, num: int, overrides: list[str], metrics: str | None,
+         result: dict | None) -> Path:
+    job = sweep / str(num)
+    (job / ".hydra").mkdir(parents=True)
+    (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if metrics is not None:
+        (job / "metrics.jsonl").write_text(metrics)
+    if result is not None:
+        (job / "result.json").write_text(json.dumps(result))
+    return job
+
+
+def _rows(sweep: Path) -> dict[str, dict[str, str]]:
+    with (sweep / "summary.csv").open() as f:
+        return {row["label"]: row for row in csv.DictReader(f)}
+
+
+def test_summary_from_fake_job_dirs(tmp_path):
+    sweep = tmp_path / "sweep"
+    const = "trainer.steps=4"
+    for num, kpool in ((0, 2), (10, 4)):
+        _job(sweep, num, [f"model.dsa_indexer_kpool={kpool}", const], _metrics(kpool, 4),
+             {"status": "completed", "error": None, "final_loss": 2.0 + kpool, "steps": 4,
+              "overrides": [f"model.dsa_indexer_kpool={kpool}", const]})
+    _job(sweep, 2, ["model.dsa_indexer_kpool=8", const], _metrics(8, 2, indexer=False) + '{"st',
+         {"status": "failed", "error": "CUDA out of memory", "final_loss": None, "steps": 2,
+          "overrides": ["model.dsa_indexer_kpool=8", const]})
+    _job(sweep, 3, ["model.dsa_indexer_kpool=16", const], None, None)
+
+    assert [p.name for p in find_job_dirs(sweep)] == ["0", "2", "3", "10"]
+    write_summary(sweep)
+    rows = _rows(sweep)
+    assert list(rows) == [f"model.dsa_indexer_kpool={k}" for k in (2, 8, 16, 4)]
+    done = rows["model.dsa_indexer_kpool=4"]
+    assert (done["job"], done["status"], done["steps"], done["error"]) == ("10", "completed", "4", "")
+    assert float(done["final_loss"]) == 6.0 and float(done["min_loss"]) == 6.0
+    assert float(done["tokens_per_s"]) == 4002.5  # median over steps
+    assert float(done["peak_mem_gib"]) == 14.0
+    assert float(done["indexer_time_share"]) == 0.4
+    failed = rows["model.dsa_indexer_kpool=8"]
+    assert (failed["status"], failed["error"], failed["steps"]) == ("failed", "CUDA out of memory", "2")
+    assert failed["indexer_time_share"] == "" and float(failed["min_loss"]) == 12.0
+    missing = rows["model.dsa_indexer_kpool=16"]
+    assert missing["status"] == "missing" and "result.json" in missing["error"]
+    assert missing["overrides"] == f"model.dsa_indexer_kpool=16 {const}"
+
+    md = (sweep / "summary.md").read_text()
+    assert md.count("| model.dsa_indexer_kpool=") == 4
+    failed_section = md.split("## Failed jobs")[1]
+    assert "kpool=8` (2, failed): CUDA out of memory" in failed_section
+    assert "kpool=16` (3, missing)" in failed_section
+    assert "kpool=4`" not in failed_section
+    png = (sweep / "summary.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+    assert not [p for p in sweep.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_record_job_result_from_hydra_job_return(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(_metrics(1, 3))
+    failed = JobReturn(overrides=["x=3"], status=JobStatus.FAILED)
+    failed.return_value = ValueError("diverged")
+    record_job_result(tmp_path, failed)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result == {"status": "failed", "error": "ValueError: diverged", "overrides": ["x=3"],
+                      "final_loss": 8.0 / 3 + 1, "steps": 3}
+    completed = JobReturn(overrides=["x=3"], status=JobStatus.COMPLETED)
+    record_job_result(tmp_path, completed)  # an existing result.json is kept
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "failed"
+    (tmp_path / "result.json").unlink()
+    record_job_result(tmp_path, completed)
+    assert json.loads((tmp_path / "result.json").read_text())["status"] == "completed"
+
+
+APP = '''
+import json, os
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+@hydra.main(version_base="1.3", config_path=".", config_name="config")
+def main(cfg):
+    out = HydraConfig.get().runtime.output_dir
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        for step in range(1, 4):
+            f.write(json.dumps({"step": step, "loss": 6.0 / step + cfg.x, "grad_norm": 1.0,
+                                "lr": 1e-3, "tokens_per_s": 100.0 * cfg.x, "step_time_s": 0.1,
+                                "peak_mem_gib": 1.0 + cfg.x}) + "\\n")
+    if cfg.x == 3:
+        raise RuntimeError(f"boom at x={cfg.x}")
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"status": "completed", "error": None, "final_loss": 2.0 + cfg.x, "steps": 3,
+                   "overrides": list(HydraConfig.get().overrides.task)}, f)
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_hydra_multirun_with_failing_job(tmp_path):
+    (tmp_path / "app.py").write_text(APP)
+    (tmp_path / "config.yaml").write_text(textwrap.dedent(f"""\
+        x: 0
+        seed: 1
+        hydra:
+          sweep:
+            dir: {tmp_path / "multirun"}
+          callbacks:
+            sweep_summary:
+              _target_: recipes.sweep.SweepSummaryCallback
+        """))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "app.py", "-m", "x=1,2,3", "seed=5"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "boom at x=3" in proc.stderr  # the basic sweeper re-raises
+    sweep = tmp_path / "multirun"
+    rows = _rows(sweep)
+    assert {k: v["status"] for k, v in rows.items()} == {
+        "x=1": "completed", "x=2": "completed", "x=3": "failed"}
+    assert rows["x=3"]["error"] == "RuntimeError: boom at x=3"
+    assert rows["x=3"]["steps"] == "3" and float(rows["x=3"]["final_loss"]) == 5.0
+    assert float(rows["x=2"]["final_loss"]) == 4.0
+    assert rows["x=2"]["overrides"] == "x=2 seed=5"
+    assert "RuntimeError: boom at x=3" in (sweep / "summary.md").read_text()
+    assert (sweep / "summary.png").read_bytes().startswith(PNG_MAGIC)
