@@ -4,6 +4,7 @@ Runs on every rank under torchrun or srun; each rank composes the same config an
 same run directory (see conf/config.yaml). ``python train.py --cfg job`` prints the composed config.
 """
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -16,8 +17,11 @@ from recipes.schema import register_configs
 
 # megatron-core announces every optional dependency it does not find (TE, apex, absl) on import.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
 register_resolvers()
 register_configs()
+# megatron-core logs its full DDP/optimizer configs and bucket layouts at INFO.
+logging.getLogger("megatron").setLevel(logging.WARNING)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -108,6 +108,19 @@ class CpuRNGStatesTracker:
             torch.set_rng_state(outer)
 
 
+class _NullStream:
+    """Stands in for ``torch.cuda.current_stream()``: CPU work is already ordered."""
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
 def install() -> bool:
     """Activate the CPU redirection when CUDA is unavailable. Returns True if active."""
     global _INSTALLED
@@ -121,6 +134,7 @@ def install() -> bool:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.manual_seed = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.manual_seed_all = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     _CudaToCpu().__enter__()  # stays active for the life of the process

@@ -77,13 +77,11 @@ def _chunk_kl(
 
         pools = torch.arange(p_lo, p_hi, device=dev)
         pool_ok = (pools >= layout.query_lo[query, None]) & (pools < layout.query_hi[query, None])
-        token_pool = layout.token_pool[t_lo : start + c] - p_lo  # pool of every token in the window
-        in_window = (token_pool >= 0) & (token_pool < p_hi - p_lo)
-        pool_index = token_pool.clamp(0, max(p_hi - p_lo - 1, 0))
-        target = mass.new_zeros(c, p_hi - p_lo).index_add_(1, pool_index, mass * in_window)
+        # tokens of every pool in the window, as columns of the token window: [pw, kpool]
+        pool_tokens = layout.pool_start[p_lo:p_hi, None] - t_lo + torch.arange(layout.kpool, device=dev)
+        target = mass[:, pool_tokens].sum(dim=-1)  # [c, pw]; a gather, deterministic on GPU
         if sparse:
-            chosen = token_ok.to(mass.dtype) * in_window
-            pool_ok &= mass.new_zeros(c, p_hi - p_lo).index_add_(1, pool_index, chosen) > 0
+            pool_ok &= token_ok[:, pool_tokens].any(dim=-1)
         target = target * pool_ok
         target = target / target.sum(dim=-1, keepdim=True).clamp_min(TARGET_EPS)
 
@@ -138,7 +136,7 @@ def indexer_kl_loss(
             windows = (int(doc_start[start:end].min()), int(lo[start:end].min()), int(hi[start:end].max()))
             if windows[2] <= windows[1]:
                 continue  # no query of the chunk sees a key (pool) yet
-            total = total + (lambda f, *a, use_reentrant, **k: f(*a, **k))(
+            total = total + checkpoint(
                 _chunk_kl,
                 out.q[start:end, row],
                 out.weights[start:end, row],

@@ -40,7 +40,6 @@ class PoolLayout:
 
     kpool: int
     pool_start: Tensor  # int64 [n_pools], first token of every complete pool
-    token_pool: Tensor  # int64 [t], complete pool containing the token, -1 if none
     doc_start: Tensor  # int64 [t], first token of the token's document
     query_lo: Tensor  # int64 [t], first pool the query sees (its document's first pool)
     query_hi: Tensor  # int64 [t], one past the last complete pool the query sees
@@ -71,11 +70,9 @@ def pool_layout(
     seen = (local + 1) // kpool  # complete pools visible to the query
     pool_doc = torch.repeat_interleave(torch.arange(pools_per_doc.numel(), device=dev), pools_per_doc)
     pool_local = torch.arange(int(pool_cu[-1]), device=dev) - pool_cu[pool_doc]
-    in_pool = local // kpool < pools_per_doc[doc]
     return PoolLayout(
         kpool=kpool,
         pool_start=cu[pool_doc] + pool_local * kpool,
-        token_pool=torch.where(in_pool, pool_cu[doc] + local // kpool, -1),
         doc_start=cu[doc],
         query_lo=pool_cu[doc],
         query_hi=pool_cu[doc] + seen,

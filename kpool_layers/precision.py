@@ -217,7 +217,7 @@ def _scaled_mm(
             f"precision.backend='torch' needs K, N divisible by 16 (by 128 for blockwise); got "
             f"K={k}, N={n} under recipe {recipe!r}; use precision.backend='emulate' for this layer"
         )
-    mat_b = wq.t()
+    xq, mat_b = xq.contiguous(), wq.contiguous().t()  # row-major A, column-major B
     if recipe == "tensorwise":
         a = _pad_rows(xq, 16)
         out = torch._scaled_mm(a, mat_b, xs.reshape(()), ws.reshape(()), out_dtype=torch.bfloat16)

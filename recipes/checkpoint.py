@@ -24,6 +24,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 LATEST = "latest"
+OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
+"""Distributed-optimizer format: every rank writes its own shard in parallel (reshardable over DP)."""
 
 
 @dataclass
@@ -60,7 +62,8 @@ def _sharded_state(model: Any, optimizer: Any, *, loading: bool) -> dict[str, An
     model_sd = model.sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=loading, metadata=OPTIMIZER_SHARDING)
     return state
 
 

@@ -65,8 +65,10 @@ def write_result(run_dir: Path, **fields: Any) -> None:
 def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float:
     """Train according to ``cfg``; returns the last step's loss (NaN for a dry run)."""
     topo = distributed.launcher_topology()
+    # A dry run plans for the configured machine (nodes x gpus_per_node), not the launching one.
+    planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
-        validate(cfg, topo.world_size)
+        validate(cfg, planned if cfg.train.dry_run else topo.world_size)
     except ValueError as err:
         if topo.rank == 0:
             write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],

@@ -1,0 +1,115 @@
+"""GLMSparseMLA at TP = 2 (with and without sequence parallelism, BSHD and packed THD, indexer loss
+on) equals TP = 1: output, input gradient and every parameter gradient. Two gloo processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+CASES = [  # (sequence_parallel, packed THD boundaries, sparse indexer loss)
+    (False, None, False),
+    (True, None, True),
+    (True, [0, 5, 9, 16], False),
+    (False, [0, 11, 16], True),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch.Tensor,
+         weight: torch.Tensor, reference: Optional[torch.nn.Module] = None):
+    """Build the layer at TP = ``tp`` (weights copied from ``reference`` when given), run forward
+    and backward; returns (module, full output, full input grad, logged indexer losses)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from kpool_layers.attention import collect_indexer_losses
+    from test_attention import build, thd, tiny_config
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_parallel_cuda_manual_seed(1234)
+    cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                      dsa_indexer_loss_coeff=0.7, dsa_indexer_use_sparse_loss=sparse_loss)
+    torch.manual_seed(0)
+    module = build(cfg)
+    rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
+    if reference is not None:
+        with torch.no_grad():
+            for (name, param), ref in zip(module.named_parameters(), reference.parameters()):
+                param.copy_(_shard(ref, param, rank, tp))
+    x_in = x.detach().chunk(tp)[rank] if sp else x.detach()
+    x_in.requires_grad_()
+    packed = thd(cu) if cu is not None else None
+    out, _ = module(x_in, None, packed_seq_params=packed)
+    w_in = weight.chunk(tp)[rank] if sp else weight
+    (out * w_in).sum().backward()
+    for param in module.parameters():  # what megatron's finalize_model_grads does over TP
+        if sp and getattr(param, "sequence_parallel", False):
+            dist.all_reduce(param.grad, group=group)
+        if getattr(param, "average_gradients_across_tp_domain", False):
+            dist.all_reduce(param.grad, group=group)
+            param.grad /= tp
+    if sp:
+        out, grad_x = (_gather_sequence(t, tp, group) for t in (out.detach(), x_in.grad))
+    else:
+        grad_x = x_in.grad
+    return module, out.detach(), grad_x, collect_indexer_losses(module)
+
+
+def _shard(full: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    if getattr(local, "tensor_model_parallel", False):
+        return full.chunk(tp, dim=local.partition_dim)[rank]
+    return full
+
+
+def _gather_sequence(t: torch.Tensor, tp: int, group: dist.ProcessGroup) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(tp)]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _worker(rank: int, port: int) -> None:
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    from kpool_layers import _cpu
+
+    _cpu.install()
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    tight = dict(rtol=1e-5, atol=1e-6)
+    for sp, cu, sparse_loss in CASES:
+        case = f"sp={sp} thd={cu} sparse_loss={sparse_loss}"
+        b = 1 if cu is not None else 2
+        gen = torch.Generator().manual_seed(7)
+        x = torch.randn(16, b, 32, generator=gen)
+        weight = torch.randn(16, b, 32, generator=gen)
+        ref, ref_out, ref_gx, ref_losses = _run(False, 1, cu, sparse_loss, x, weight)
+        mod, out, gx, losses = _run(sp, 2, cu, sparse_loss, x, weight, reference=ref)
+        torch.testing.assert_close(out, ref_out, **tight, msg=lambda m: f"{case} output: {m}")
+        torch.testing.assert_close(gx, ref_gx, **tight, msg=lambda m: f"{case} input grad: {m}")
+        assert losses.keys() == ref_losses.keys() == {""}, case
+        assert losses[""] == pytest.approx(ref_losses[""], rel=1e-5), case
+        tp_rank = dist.get_rank()
+        for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
+            want = _shard(ref_param.grad, param, tp_rank, 2)
+            torch.testing.assert_close(param.grad, want, **tight,
+                                       msg=lambda m, n=name: f"{case} grad {n}: {m}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_tp2_equals_tp1() -> None:
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
+    mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
