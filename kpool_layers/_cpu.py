@@ -46,12 +46,34 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, int)  # megatron passes torch.cuda.current_device() (an int)
 
 
+def _run_backward(tensors: Any, grad_tensors: Any = None, retain_graph: Any = None,
+                  create_graph: bool = False, inputs: Any = None) -> None:
+    """``torch.autograd.backward`` without its ``__torch_function__`` dispatch (same engine call);
+    also serves ``Tensor.backward(gradient, retain_graph, create_graph, inputs)``."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    outs = (tensors,) if isinstance(tensors, torch.Tensor) else tuple(tensors)
+    ins = () if inputs is None else ((inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    grads = _make_grads(outs, _tensor_or_tensors_to_tuple(grad_tensors, len(outs)), is_grads_batched=False)
+    _engine_run_backward(outs, grads, create_graph if retain_graph is None else retain_graph,
+                         create_graph, ins, allow_unreachable=True, accumulate_grad=True)
+
+
 class _CudaToCpu(TorchFunctionMode):
     """Maps CUDA devices in factory calls to CPU; makes ``.cuda()``/``.to('cuda')`` no-ops;
     reports ``torch.cuda.*`` names from ``Tensor.type()`` (megatron asserts on them)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = dict(kwargs or {})
+        if func is torch.autograd.backward or func is torch.Tensor.backward:
+            # torch >= 2.14 dispatches backward through modes, and a mode is switched off while its
+            # handler runs; megatron's backward code (sequence-parallel gathers) allocates on CUDA,
+            # so run the engine with a fresh redirecting mode active.
+            if func is torch.Tensor.backward and "gradient" in kwargs:
+                kwargs["grad_tensors"] = kwargs.pop("gradient")
+            with _CudaToCpu():
+                return _run_backward(*args, **kwargs)
         if func in _FACTORIES and _is_cuda(kwargs.get("device")):
             kwargs["device"] = _TARGET
         elif func is torch.Tensor.cuda:

@@ -158,9 +158,10 @@ class TopKShare:
 class GLMSparseMLASubmodules:
     """Builders of :class:`GLMSparseMLA`'s parts (ModuleSpec or class each).
 
-    Linears follow megatron's Column/RowParallelLinear constructor; norms ``(config, hidden_size,
-    eps)``; the indexer ``(config, layer_number)`` with :class:`kpool_layers.indexer.DSAIndexer`'s
-    forward.
+    Linears take megatron's ColumnParallelLinear (all but ``linear_proj``, incl. ``gather_output``)
+    or RowParallelLinear (``linear_proj``) constructor arguments, e.g. Transformer Engine's
+    ``TEColumnParallelLinear`` / ``TERowParallelLinear``; norms ``(config, hidden_size, eps)``; the
+    indexer ``(config, layer_number)`` with :class:`kpool_layers.indexer.DSAIndexer`'s forward.
     """
 
     linear_q_down_proj: ModuleSpec | type
@@ -177,6 +178,12 @@ class GLMSparseMLA(MegatronModule):
     """Absorbed MLA with DSA sparse attention; see the module docstring for the math.
 
     ``forward(hidden_states [s/TP if SP else s, b, h], ...)`` -> ``(output [same shape], None)``.
+
+    Built by megatron's ``TransformerLayer`` from :func:`glm_attention_spec`: ``topk_share`` and
+    ``attn_mask_type`` come from the spec's params; ``cp_comm_type``, ``pp_layer_offset`` and
+    ``name`` are accepted for ``TransformerLayer``'s call and not used. Constructing a layer with
+    ``dsa_indexer_loss_coeff > 0`` installs :meth:`IndexerLossAutoScaler.set_loss_scale` as
+    ``config.experimental_attention_variant_loss_scale_func`` unless one is set.
     """
 
     def __init__(
@@ -199,7 +206,7 @@ class GLMSparseMLA(MegatronModule):
         self.tp_group = self.pg_collection.tp
         tp_size = get_pg_size(self.tp_group)
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
-        self.heads = config.num_attention_heads // tp_size
+        self.local_heads = config.num_attention_heads // tp_size
         self.softmax_scale = mla_softmax_scale(config)
         self.rotary = Rotary.from_config(config) if config.qk_pos_emb_head_dim > 0 else None
 
@@ -210,8 +217,8 @@ class GLMSparseMLA(MegatronModule):
                              "(build the layers from glm_attention_spec)")
         self.topk_share = topk_share if shares else None
         self.computes_topk = not (shares and is_dsa_skip_topk_layer(layer_number, offset, freq))
-        self.source_layer = source_dsa_compute_layer(layer_number, offset, freq) if shares else (
-            layer_number)
+        self.source_layer = (
+            source_dsa_compute_layer(layer_number, offset, freq) if shares else layer_number)
 
         def linear(spec: ModuleSpec | type, n_in: int, n_out: int, label: str,
                    **kwargs: Any) -> torch.nn.Module:
@@ -298,7 +305,7 @@ class GLMSparseMLA(MegatronModule):
         positions, doc_start = document_positions(s, cu_seqlens, kv_latent.device)
 
         q, _ = self.linear_q_up_proj(q_latent)  # [s, b, n_l * qk]
-        q = q.view(s, b, self.heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
+        q = q.view(s, b, self.local_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
         q_nope, q_pe = q.split([cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
         k_up, v_up = self._kv_up_weights()
         query = torch.einsum("sbnd,ndc->sbnc", q_nope, k_up)  # [s, b, n_l, r]
@@ -328,8 +335,8 @@ class GLMSparseMLA(MegatronModule):
         """Down projection to ``[s_local, b, width]`` (full width, this rank's sequence slice).
 
         A column-parallel linear yields ``[s, b, width / TP]`` (its SP input gathered): gather the
-        channels over TP, then scatter the sequence back under SP. A duplicated linear (e.g. TE's
-        ``parallel_mode='duplicated'``) already returns the full width."""
+        channels over TP, then scatter the sequence back under SP. An output that already has the
+        full width (TP = 1, or a linear duplicated on every rank) is this rank's slice as is."""
         out, _ = linear(hidden)
         if out.size(-1) != width:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -348,7 +355,7 @@ class GLMSparseMLA(MegatronModule):
         """``W_uk [n_l, qk_head_dim, r]`` and ``W_uv [n_l, v_head_dim, r]`` views of kv_up."""
         cfg = self.config
         weight = self.linear_kv_up_proj.weight.view(
-            self.heads, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            self.local_heads, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return weight.split([cfg.qk_head_dim, cfg.v_head_dim], dim=1)
 
     def _topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
@@ -358,22 +365,23 @@ class GLMSparseMLA(MegatronModule):
         indexer loss is computed in this forward (else None)."""
         if not self.computes_topk:
             return self.topk_share.get(self.source_layer, packed_seq_params), None
+        hidden, q_latent = hidden.detach(), q_latent.detach()
         if self.sequence_parallel:
-            hidden = gather_from_sequence_parallel_region(hidden.detach(), group=self.tp_group)
-            q_latent = gather_from_sequence_parallel_region(q_latent.detach(), group=self.tp_group)
+            hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
+            q_latent = gather_from_sequence_parallel_region(q_latent, group=self.tp_group)
         rotary_fn: Optional[RotaryFn] = None
         if self.rotary is not None:
             rotary_fn = self.rotary.bind(
                 positions, mla_interleaved=self.config.dsa_indexer_rope_interleaved)
         with_loss = self.uses_indexer_loss and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(with_loss):
-            out = self.indexer(hidden.detach(), q_latent.detach(), rotary_fn, cu_seqlens)
+            out = self.indexer(hidden, q_latent, rotary_fn, cu_seqlens)
         if self.topk_share is not None:
             self.topk_share.put(self.layer_number, out.topk_indices, packed_seq_params)
         return out.topk_indices, (out if with_loss else None)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
-        """Accumulate the KL (before ``dsa_indexer_loss_coeff``) for :func:`collect_indexer_losses`."""
+        """Accumulate the KL (``loss / dsa_indexer_loss_coeff``) for ``collect_indexer_losses``."""
         kl = loss.detach() / self.config.dsa_indexer_loss_coeff
         self._loss_sum = kl if self._loss_sum is None else self._loss_sum + kl
         self._loss_count += 1

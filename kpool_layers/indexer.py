@@ -53,7 +53,9 @@ class IndexerOutput:
     """Where the pools are and which ones each query sees (the same for every batch row)."""
 
 
-def _duplicated_linear(config: GLMTransformerConfig, n_in: int, n_out: int, init: bool) -> torch.nn.Linear:
+def _duplicated_linear(
+    config: GLMTransformerConfig, n_in: int, n_out: int, init: bool
+) -> torch.nn.Linear:
     """Bias-free linear replicated on every TP rank, initialised with ``config.init_method`` from
     the default generator (seeded identically on all TP ranks), or zeros when ``init`` is False."""
     device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
@@ -93,7 +95,9 @@ class DSAIndexer(MegatronModule):
             device=self.linear_wk.weight.device,
             dtype=config.params_dtype,
         )
-        self.linear_weights_proj = _duplicated_linear(config, config.hidden_size, self.n_heads, init=True)
+        self.linear_weights_proj = _duplicated_linear(
+            config, config.hidden_size, self.n_heads, init=True
+        )
         if self.kpool > 1:
             self.index_kpool_compress_gate = _duplicated_linear(
                 config, config.hidden_size, self.head_dim, init=False

@@ -133,7 +133,8 @@ def indexer_kl_loss(
     for row in range(b):
         for start in range(0, s, chunk):
             end = min(start + chunk, s)
-            windows = (int(doc_start[start:end].min()), int(lo[start:end].min()), int(hi[start:end].max()))
+            rows = slice(start, end)
+            windows = (int(doc_start[rows].min()), int(lo[rows].min()), int(hi[rows].max()))
             if windows[2] <= windows[1]:
                 continue  # no query of the chunk sees a key (pool) yet
             total = total + checkpoint(

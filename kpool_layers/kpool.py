@@ -151,7 +151,8 @@ def kpool_topk(
         cols = torch.arange(layout.n_pools, device=q.device)
         visible = (cols >= layout.query_lo[:, None]) & (cols < layout.query_hi[:, None])
         n_sel = topk // kpool
-        chosen = topk_lower_index_ties(scores.masked_fill(~visible, float("-inf")), min(n_sel, layout.n_pools))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        chosen = topk_lower_index_ties(scores, min(n_sel, layout.n_pools))
         count = (layout.query_hi - layout.query_lo)[:, None]
         chosen = torch.where(torch.arange(chosen.shape[1], device=q.device) < count, chosen, -1)
         pools = torch.full((q.shape[0], n_sel), -1, dtype=torch.long, device=q.device)

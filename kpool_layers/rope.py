@@ -37,7 +37,7 @@ RotaryFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
-    """YaRN attention-temperature factor ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
+    """YaRN attention temperature ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
     if scale <= 1:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
@@ -55,8 +55,8 @@ def document_positions(seq_len: int, cu_seqlens: torch.Tensor | None, device: to
     if cu_seqlens is None:
         return tokens, torch.zeros_like(tokens)
     bounds = cu_seqlens.to(device=device, dtype=torch.int64)
-    doc = torch.searchsorted(bounds, tokens, right=True) - 1
-    doc_start = bounds[doc.clamp(max=bounds.numel() - 1)]
+    doc = torch.searchsorted(bounds, tokens, right=True) - 1  # in [0, n_docs]
+    doc_start = bounds[doc]
     return tokens - doc_start, doc_start
 
 

@@ -2,7 +2,7 @@
 
 Layouts (megatron):
   * ``query``        ``[s, b, n, d_k]`` absorbed queries, ``d_k = kv_lora_rank + rope dim``;
-  * ``latent_kv``    ``[s, b, 1, d_k]`` latent keys; the first ``v_channels`` channels are the value;
+  * ``latent_kv``    ``[s, b, 1, d_k]`` latent keys, whose first ``v_channels`` are the value;
   * ``topk_indices`` int ``[b, s, W]`` key positions per query, ``-1`` = empty slot;
   * ``key_start``    int64 ``[s]`` first key each query may see (its document start in a packed THD
     sequence) or None (0);
@@ -14,9 +14,9 @@ gets a zero output and zero gradients.
 
 Memory: queries are processed ``chunk_size`` rows at a time; per chunk the selected keys
 ``[b, chunk, W, d_k]`` are gathered (in fp32, or fp64 for fp64 inputs) and the scores
-``[b, chunk, n, W]`` formed, never an ``[s, s]`` mask. Autograd saves only the inputs, the output and
-the per-row log-sum-exp ``[b, s, n]``; backward regathers each chunk (flash-attention style), so
-activation memory is linear in ``s``.
+``[b, chunk, n, W]`` formed, never an ``[s, s]`` mask. Autograd saves only the inputs, the output
+and the per-row log-sum-exp ``[b, s, n]``; backward regathers each chunk (flash-attention style),
+so activation memory is linear in ``s``.
 """
 
 from __future__ import annotations

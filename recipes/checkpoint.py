@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
@@ -58,8 +59,15 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
     return path if path.is_dir() else None
 
 
+def unwrap(model: Any) -> Any:
+    """The ``GPTModel`` inside megatron's DDP / Float16Module wrappers (checkpoint keys are its)."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _sharded_state(model: Any, optimizer: Any, *, loading: bool) -> dict[str, Any]:
-    model_sd = model.sharded_state_dict()
+    model_sd = unwrap(model).sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(
@@ -101,24 +109,50 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Give every parameter of a fresh torch Adam its (zero) state so that megatron's distributed
+    optimizer can describe the state it is about to load (it reads ``state[p]["step"]``)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _restore_adam_steps(optimizer: Any, step: int) -> None:
+    """Set every parameter's Adam ``step`` to the number of optimizer steps taken.
+
+    megatron 0.19's distributed optimizer on the torch-Adam path (no apex/TE) neither saves the
+    per-parameter ``step`` with the parameter state nor restores it into separate tensors (it
+    shares one), which breaks Adam's bias correction after a resume. Every step of ours updates
+    every parameter (the distributed optimizer gives each main parameter a gradient, and bf16/fp32
+    training skips no steps), so the count is the completed step count."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in opt.optimizer.state.values():
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
 def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any, scheduler: Any) -> Progress:
-    """Collective: restore model, optimizer and scheduler (any of the last two may be ``None``,
-    e.g. for ``train.load`` of weights only). Returns the saved progress."""
+    """Collective: restore model, optimizer and scheduler. Returns the saved progress."""
+    _materialize_adam_state(optimizer)
     state = _sharded_state(model, optimizer, loading=True)
-    if scheduler is not None:
-        state["scheduler"] = scheduler.state_dict()
+    state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"step": 0, "consumed_samples": 0}
     loaded = dist_checkpointing.load(state, str(path))
-    model.load_state_dict(loaded["model"])
-    if optimizer is not None:
+    with torch.no_grad():  # restores in place into parameter (views) that require grad
+        unwrap(model).load_state_dict(loaded["model"])
         optimizer.load_state_dict(loaded["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(loaded["scheduler"])
+    scheduler.load_state_dict(loaded["scheduler"])
     prog = loaded["progress"]
+    _restore_adam_steps(optimizer, int(prog["step"]))
     return Progress(step=int(prog["step"]), consumed_samples=int(prog["consumed_samples"]))
 
 
 def load_weights(path: str | os.PathLike, model: Any) -> None:
     """Initialise model weights from a checkpoint (``train.load``), resharding as needed."""
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
-    model.load_state_dict(loaded["model"])
+    loaded = dist_checkpointing.load({"model": unwrap(model).sharded_state_dict()}, str(path))
+    unwrap(model).load_state_dict(loaded["model"])

@@ -34,7 +34,8 @@ def build_gpt_model(cfg: Any, tcfg: GLMTransformerConfig) -> GPTModel:
         post_process=post,
         share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",  # MLA applies its own rotary (or none: NoPE)
-        mtp_block_spec=glm_mtp_block_spec(tcfg, attention) if post else None,
+        # MTP layers number from 1 again: their own spec keeps their top-k share separate.
+        mtp_block_spec=glm_mtp_block_spec(tcfg, glm_attention_spec(tcfg)) if post else None,
     )
 
 

@@ -278,9 +278,10 @@ do_stop() {
     if daemon_pid slurmctld >/dev/null; then
         jobs=$(squeue -h -o %A 2>/dev/null || true)
         if [[ -n $jobs ]]; then
-            log "cancelling jobs:" $jobs
+            log "cancelling jobs: ${jobs//$'\n'/ }"
             # shellcheck disable=SC2086 # one job id per word
             scancel $jobs || true
+            # shellcheck disable=SC2016 # expanded by the inner bash
             wait_for 20 bash -c '[[ -z $(squeue -h -o %A) ]]' || log "jobs still listed; stopping anyway"
         fi
     fi

@@ -249,7 +249,8 @@ def test_indexer_loss_backward_scale_and_logging(single_rank_parallel_state) -> 
     cfg = tiny_config(dsa_indexer_loss_coeff=0.5)
     cfg.experimental_attention_variant_loss_scale_func = None
     model = torch.nn.ModuleDict({"attn": build(cfg)})
-    assert cfg.experimental_attention_variant_loss_scale_func == IndexerLossAutoScaler.set_loss_scale
+    installed = cfg.experimental_attention_variant_loss_scale_func
+    assert installed == IndexerLossAutoScaler.set_loss_scale
     x = torch.randn(9, 2, 32)
 
     def indexer_grads(scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -293,3 +294,25 @@ def test_rejects_unsupported_inputs(single_rank_parallel_state) -> None:
         module(x, None, rotary_pos_emb=torch.zeros(4, 1, 1, 4))
     with pytest.raises(ValueError, match="batch size 1"):
         module(torch.randn(4, 2, 32), None, packed_seq_params=thd([0, 4]))
+
+
+
+def test_in_transformer_block_with_index_share(single_rank_parallel_state) -> None:
+    """Drop-in for megatron's TransformerLayer (the spec path of the recipes), IndexShare through
+    the spec's shared TopKShare, per-layer indexer losses by module name."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from kpool_layers.spec import glm_decoder_block_spec
+
+    cfg = tiny_config(dsa_indexer_topk_freq=2, dsa_indexer_loss_coeff=0.1, ffn_hidden_size=64)
+    torch.manual_seed(0)
+    block = TransformerBlock(cfg, glm_decoder_block_spec(cfg, glm_attention_spec(cfg)))
+    attentions = [layer.self_attention for layer in block.layers]
+    assert [a.indexer is not None for a in attentions] == [True, False, True]
+    assert attentions[0].topk_share is attentions[1].topk_share is attentions[2].topk_share
+    x = torch.randn(9, 1, 32, requires_grad=True)
+    out = block(x, None, packed_seq_params=thd([0, 4, 9]))
+    out.sum().backward()
+    assert out.shape == x.shape and torch.isfinite(x.grad).all()
+    assert list(collect_indexer_losses(block)) == ["layers.0.self_attention",
+                                                   "layers.2.self_attention"]

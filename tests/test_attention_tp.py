@@ -4,7 +4,6 @@ on) equals TP = 1: output, input gradient and every parameter gradient. Two gloo
 from __future__ import annotations
 
 import os
-import socket
 from typing import Optional
 
 import pytest
@@ -12,18 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.conftest import free_port
+
 CASES = [  # (sequence_parallel, packed THD boundaries, sparse indexer loss)
     (False, None, False),
     (True, None, True),
     (True, [0, 5, 9, 16], False),
     (False, [0, 11, 16], True),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch.Tensor,
@@ -34,19 +29,20 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from kpool_layers.attention import collect_indexer_losses
-    from test_attention import build, thd, tiny_config
+    from tests.test_attention import build, thd, tiny_config
 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     model_parallel_cuda_manual_seed(1234)
     cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=sp,
-                      dsa_indexer_loss_coeff=0.7, dsa_indexer_use_sparse_loss=sparse_loss)
+                      dsa_indexer_loss_coeff=0.7, dsa_indexer_use_sparse_loss=sparse_loss,
+                      init_method_std=0.3)
     torch.manual_seed(0)
     module = build(cfg)
     rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     if reference is not None:
         with torch.no_grad():
-            for (name, param), ref in zip(module.named_parameters(), reference.parameters()):
+            for param, ref in zip(module.parameters(), reference.parameters()):
                 param.copy_(_shard(ref, param, rank, tp))
     x_in = x.detach().chunk(tp)[rank] if sp else x.detach()
     x_in.requires_grad_()
@@ -98,7 +94,7 @@ def _worker(rank: int, port: int) -> None:
         torch.testing.assert_close(out, ref_out, **tight, msg=lambda m: f"{case} output: {m}")
         torch.testing.assert_close(gx, ref_gx, **tight, msg=lambda m: f"{case} input grad: {m}")
         assert losses.keys() == ref_losses.keys() == {""}, case
-        assert losses[""] == pytest.approx(ref_losses[""], rel=1e-5), case
+        assert losses[""] == pytest.approx(ref_losses[""], rel=1e-5), (case, losses, ref_losses)
         tp_rank = dist.get_rank()
         for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
             want = _shard(ref_param.grad, param, tp_rank, 2)
@@ -109,7 +105,4 @@ def _worker(rank: int, port: int) -> None:
 
 @pytest.mark.dist
 def test_tp2_equals_tp1() -> None:
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    mp.spawn(_worker, args=(_free_port(),), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(),), nprocs=2, join=True)

@@ -14,7 +14,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa_masking import
 from kpool_layers.indexer import DSAIndexer
 from kpool_layers.indexer_loss import indexer_kl_loss
 from kpool_layers.topk import index_scores
-from test_indexer import tiny_config
+from tests.test_indexer import tiny_config
 
 SCALE = 0.4
 
@@ -34,14 +34,18 @@ def run_indexer(cfg, s: int, b: int, cu=None, seed: int = 0):
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
-def test_plain_matches_megatron(single_rank_parallel_state, sparse: bool, packed: bool, relu: bool) -> None:
+def test_plain_matches_megatron(
+    single_rank_parallel_state, sparse: bool, packed: bool, relu: bool
+) -> None:
     s, b = 13, 1 if packed else 2
     cu = torch.tensor([0, 4, 13], dtype=torch.int32) if packed else None
     cfg = tiny_config(dsa_indexer_scoring_relu=relu, dsa_indexer_loss_coeff=0.5, dsa_indexer_topk=3)
     indexer, out, main_q, main_k = run_indexer(cfg, s, b, cu)
     ours = indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=sparse, cu_seqlens=cu)
 
-    scores = torch.stack([index_scores(out.q[:, r], out.keys[:, r], out.weights[:, r], relu=relu) for r in range(b)])
+    scores = torch.stack(
+        [index_scores(out.q[:, r], out.keys[:, r], out.weights[:, r], relu=relu) for r in range(b)]
+    )
     varlen = {}
     if packed:
         starts, ends = generate_varlen_mask_params(cu)
@@ -52,11 +56,14 @@ def test_plain_matches_megatron(single_rank_parallel_state, sparse: bool, packed
     )
     torch.testing.assert_close(ours, reference)
     tensors = [out.q, out.weights, out.keys]
-    for a, r in zip(torch.autograd.grad(ours, tensors, retain_graph=True), torch.autograd.grad(reference, tensors)):
+    grads = torch.autograd.grad(ours, tensors, retain_graph=True)
+    for a, r in zip(grads, torch.autograd.grad(reference, tensors)):
         torch.testing.assert_close(a, r)
 
 
-def loop_kpool_loss(out, main_q, main_k, *, kpool: int, sparse: bool, relu: bool, coeff: float) -> torch.Tensor:
+def loop_kpool_loss(
+    out, main_q, main_k, *, kpool: int, sparse: bool, relu: bool, coeff: float
+) -> torch.Tensor:
     """One query at a time: pool mass of the main attention vs softmax of the pool scores."""
     layout = out.layout
     s, b = main_q.shape[:2]
@@ -74,12 +81,14 @@ def loop_kpool_loss(out, main_q, main_k, *, kpool: int, sparse: bool, relu: bool
                 continue
             logits = main_q[p, r].double() @ main_k[tokens, r, 0].double().T * SCALE  # [heads, tokens]
             mass = torch.softmax(logits, dim=-1).sum(0)
+            first = [int(layout.pool_start[j]) for j in pools]
             target = torch.stack([
-                sum((mass[i] for i, t in enumerate(tokens) if 0 <= t - int(layout.pool_start[j]) < kpool), torch.tensor(0.0, dtype=torch.float64))
-                for j in pools
+                sum(m for t, m in zip(tokens, mass) if 0 <= t - f < kpool) + 0 * mass[0]
+                for f in first
             ])
             target = target / target.sum()
-            pred = index_scores(out.q[p:p + 1, r].double(), out.keys[pools, r].double(), out.weights[p:p + 1, r].double(), relu=relu)[0]
+            q, keys, w = out.q[p:p + 1, r], out.keys[pools, r], out.weights[p:p + 1, r]
+            pred = index_scores(q.double(), keys.double(), w.double(), relu=relu)[0]
             log_pred = torch.log_softmax(pred, dim=0)
             total = total + (target * (torch.log(target.clamp_min(1e-10)) - log_pred)).sum()
     return total / (b * s) * coeff
@@ -101,7 +110,8 @@ def test_kpool_matches_loop(single_rank_parallel_state, kpool: int, sparse: bool
     assert ours.item() > 0
     torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-6)
     tensors = [out.q, out.weights, out.keys]
-    for a, r in zip(torch.autograd.grad(ours, tensors, retain_graph=True), torch.autograd.grad(expected, tensors)):
+    grads = torch.autograd.grad(ours, tensors, retain_graph=True)
+    for a, r in zip(grads, torch.autograd.grad(expected, tensors)):
         torch.testing.assert_close(a, r.float(), rtol=1e-4, atol=1e-6)
 
 
@@ -110,7 +120,9 @@ def test_chunk_size_invariance(single_rank_parallel_state, kpool: int) -> None:
     s, b = 21, 2
     values = []
     for chunk in (1, 4, 64):
-        cfg = tiny_config(dsa_indexer_kpool=kpool, dsa_indexer_topk=2 * kpool, dsa_indexer_query_chunk_size=chunk)
+        cfg = tiny_config(
+            dsa_indexer_kpool=kpool, dsa_indexer_topk=2 * kpool, dsa_indexer_query_chunk_size=chunk
+        )
         indexer, out, main_q, main_k = run_indexer(cfg, s, b, seed=3)
         values.append(indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False))
     torch.testing.assert_close(values[0], values[1])
@@ -118,6 +130,7 @@ def test_chunk_size_invariance(single_rank_parallel_state, kpool: int) -> None:
 
 
 def test_mismatched_cu_seqlens_rejected(single_rank_parallel_state) -> None:
-    indexer, out, main_q, main_k = run_indexer(tiny_config(), 8, 1, torch.tensor([0, 3, 8], dtype=torch.int32))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    indexer, out, main_q, main_k = run_indexer(tiny_config(), 8, 1, cu)
     with pytest.raises(ValueError, match="cu_seqlens"):
         indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False)

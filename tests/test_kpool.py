@@ -13,7 +13,7 @@ from torch.func import functional_call
 from kpool_layers.indexer import DSAIndexer
 from kpool_layers.indexer_loss import indexer_kl_loss
 from kpool_layers.kpool import kpool_select, kpool_topk, pool_keys, pool_layout
-from test_indexer import causal_topk, random_qkw, tiny_config
+from tests.test_indexer import causal_topk, random_qkw, tiny_config
 
 
 def slow_kpool_topk(q, k, gate, ape, w, *, kpool, topk, tail, relu, lengths):
@@ -38,7 +38,7 @@ def slow_kpool_topk(q, k, gate, ape, w, *, kpool, topk, tail, relu, lengths):
             t = base + p
             seen = (p + 1) // kpool
             score = [
-                sum(w[t][h] * act(sum(a * c for a, c in zip(q[t][h], pooled[j]))) for h in range(len(w[t])))
+                sum(wh * act(sum(a * c for a, c in zip(qh, pooled[j]))) for wh, qh in zip(w[t], q[t]))
                 for j in range(seen)
             ]
             best = sorted(range(seen), key=lambda j: (-score[j], j))[: topk // kpool]
@@ -76,7 +76,9 @@ def test_kpool_topk_matches_loop(kpool: int, tail: bool, relu: bool, packed: boo
         q, k, gate, ape, w, kpool=kpool, topk=topk, always_select_tail=tail, relu=relu,
         cu_seqlens=cu if packed else None,
     )
-    expected = slow_kpool_topk(q, k, gate, ape, w, kpool=kpool, topk=topk, tail=tail, relu=relu, lengths=lengths)
+    expected = slow_kpool_topk(
+        q, k, gate, ape, w, kpool=kpool, topk=topk, tail=tail, relu=relu, lengths=lengths
+    )
     assert torch.equal(ours, expected)
 
 
@@ -87,9 +89,10 @@ def test_chunked_select_equals_reference(kpool: int, relu: bool) -> None:
     q, k, gate, ape, w, cu = random_case(lengths, kpool, seed=3)
     layout = pool_layout(sum(lengths), kpool, cu)
     keys = pool_keys(k, gate, ape, layout)
-    expected = kpool_topk(q, k, gate, ape, w, kpool=kpool, topk=2 * kpool, always_select_tail=True, relu=relu, cu_seqlens=cu)
+    options = dict(topk=2 * kpool, always_select_tail=True, relu=relu)
+    expected = kpool_topk(q, k, gate, ape, w, kpool=kpool, cu_seqlens=cu, **options)
     for chunk in (1, 5, 64):
-        ours = kpool_select(q, keys, w, layout, topk=2 * kpool, always_select_tail=True, relu=relu, chunk_size=chunk)
+        ours = kpool_select(q, keys, w, layout, chunk_size=chunk, **options)
         assert torch.equal(ours, expected)
 
 
@@ -98,10 +101,12 @@ def test_kpool_one_is_plain_dsa(relu: bool) -> None:
     cu = torch.tensor([0, 6, 17], dtype=torch.int32)
     q, k, w = random_qkw(17, seed=8)
     gate, ape = torch.randn(17, 8), torch.randn(1, 8)
-    ours = kpool_topk(q, k, gate, ape, w, kpool=1, topk=5, always_select_tail=True, relu=relu, cu_seqlens=cu)
+    ours = kpool_topk(
+        q, k, gate, ape, w, kpool=1, topk=5, always_select_tail=True, relu=relu, cu_seqlens=cu
+    )
     assert torch.equal(ours, causal_topk(q, k, w, topk=5, relu=relu, chunk_size=4, cu_seqlens=cu))
     layout = pool_layout(17, 1, cu)
-    assert torch.equal(pool_keys(k, gate, ape, layout), k)  # one slot: the token key itself, bit for bit
+    assert torch.equal(pool_keys(k, gate, ape, layout), k)  # one slot: the token key, bit for bit
 
 
 def _layer_inputs(indexer: DSAIndexer, hidden: torch.Tensor):
@@ -139,12 +144,13 @@ def test_ape_stays_fp32_under_float16_module(single_rank_parallel_state) -> None
     cfg = tiny_config(dsa_indexer_kpool=4, dsa_indexer_topk=8)
     indexer = DSAIndexer(cfg, layer_number=1)
     assert not indexer.index_kpool_compress_ape.requires_grad  # frozen by default
-    wrapped = Float16Module(tiny_config(dsa_indexer_kpool=4, dsa_indexer_topk=8, bf16=True, params_dtype=torch.bfloat16), indexer)
+    bf16 = tiny_config(dsa_indexer_kpool=4, dsa_indexer_topk=8, bf16=True, params_dtype=torch.bfloat16)
+    wrapped = Float16Module(bf16, indexer)
     inner = wrapped.module
     assert inner.index_kpool_compress_ape.dtype == torch.float32
     assert inner.index_kpool_compress_gate.weight.dtype == torch.bfloat16
     assert inner.linear_wk.weight.dtype == torch.bfloat16
-    out = inner(torch.randn(12, 1, 16, dtype=torch.bfloat16), torch.randn(12, 1, 8, dtype=torch.bfloat16))
+    out = inner(torch.randn(12, 1, 16).bfloat16(), torch.randn(12, 1, 8).bfloat16())
     assert out.keys.dtype == torch.bfloat16 and out.weights.dtype == torch.float32
     assert inner.index_kpool_compress_ape.dtype == torch.float32
 
@@ -164,7 +170,10 @@ def test_kpool_loss_gradcheck(single_rank_parallel_state, sparse: bool) -> None:
     indexer = DSAIndexer(cfg, layer_number=1)
     g = torch.Generator().manual_seed(0)
     names = [n for n, _ in indexer.named_parameters()]
-    params = [torch.randn(p.shape, generator=g, dtype=torch.float64, requires_grad=True) for _, p in indexer.named_parameters()]
+    params = [
+        torch.randn(p.shape, generator=g, dtype=torch.float64, requires_grad=True)
+        for _, p in indexer.named_parameters()
+    ]
     s = 11  # the second document has 4 pools, more than the 2 selected
     cu = torch.tensor([0, 3, 11], dtype=torch.int32)
     hidden = torch.randn(s, 1, 8, generator=g, dtype=torch.float64)

@@ -113,8 +113,8 @@ def test_document_positions() -> None:
 @pytest.mark.parametrize("mla_interleaved", [False, True])
 def test_packed_document_rotary_matches_megatron_thd(mla_interleaved: bool) -> None:
     torch.manual_seed(0)
-    config = _config(rope_type="yarn", rotary_scaling_factor=4.0, original_max_position_embeddings=8,
-                     mscale=1.0, mscale_all_dim=0.5)
+    config = _config(rope_type="yarn", rotary_scaling_factor=4.0,
+                     original_max_position_embeddings=8, mscale=1.0, mscale_all_dim=0.5)
     rotary = Rotary.from_config(config)
     cu = torch.tensor([0, 5, 7, 13], dtype=torch.int32)
     t = torch.randn(13, 1, 3, 16)

@@ -136,3 +136,28 @@ def test_shape_validation() -> None:
         sparse_mla_attention(query, latent, topk.transpose(0, 1), 1.0, v_channels=4, chunk_size=4)
     with pytest.raises(ValueError, match="v_channels"):
         sparse_mla_attention(query, latent, topk, 1.0, v_channels=13, chunk_size=4)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_matches_reference_and_peak_memory_is_linear() -> None:
+    device = torch.device("cuda")
+    query, latent, topk = _inputs(s=256, b=1, n=4, d=40, width=32, dtype=torch.bfloat16)
+    out = sparse_mla_attention(query.to(device), latent.to(device), topk.to(device), 0.2,
+                               v_channels=32, chunk_size=64)
+    ref = dense_masked_reference(query, latent, topk, 0.2, 32)
+    torch.testing.assert_close(out.double().cpu(), ref, rtol=3e-2, atol=3e-2)
+
+    def extra_peak_mib(s: int) -> float:
+        inputs = _inputs(s=s, b=1, n=16, d=576, width=256, dtype=torch.bfloat16)
+        q, k, idx = (t.detach().to(device) for t in inputs)
+        q.requires_grad_()
+        k.requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        sparse_mla_attention(q, k, idx, 0.05, v_channels=512, chunk_size=256).sum().backward()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+    small, large = extra_peak_mib(2048), extra_peak_mib(8192)
+    assert large < 2.5 * small  # per-chunk buffers are constant; [s, W, d] grows 4x, [s, s] 16x
