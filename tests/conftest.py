@@ -27,7 +27,8 @@ def single_rank_parallel_state():
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    if not dist.is_initialized():
+    created = not dist.is_initialized()
+    if created:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ["MASTER_PORT"] = str(free_port())
         dist.init_process_group(
@@ -38,6 +39,8 @@ def single_rank_parallel_state():
     model_parallel_cuda_manual_seed(1234, force_reset_rng=torch.cuda.is_available())
     yield ps
     ps.destroy_model_parallel()
+    if created:  # later tests see a process without a default group, as a user would
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -120,7 +120,7 @@ def _reduce_worker(rank: int, world: int, port: int, result: "torch.multiprocess
 
 @pytest.mark.dist
 def test_reduce_drift_metrics_two_ranks():
-    from conftest import free_port
+    from tests.conftest import free_port
 
     ctx = torch.multiprocessing.get_context("spawn")
     queue = ctx.SimpleQueue()
