@@ -245,10 +245,10 @@ class GLMSparseMLA(MegatronModule):
             tp_group=self.tp_group)
         self.q_layernorm = build_module(submodules.q_layernorm, config=config,
                                         hidden_size=config.q_lora_rank,
-                                        eps=config.layernorm_epsilon)
+                                        eps=config.mla_latent_norm_eps)
         self.kv_layernorm = build_module(submodules.kv_layernorm, config=config,
                                          hidden_size=config.kv_lora_rank,
-                                         eps=config.layernorm_epsilon)
+                                         eps=config.mla_latent_norm_eps)
         self.indexer = (build_module(submodules.indexer, config=config, layer_number=layer_number)
                         if self.computes_topk else None)
 

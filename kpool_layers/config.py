@@ -32,6 +32,17 @@ class GLMTransformerConfig(MLATransformerConfig):
     """Queries scored at once by the indexer and the sparse attention; bounds memory to
     O(chunk * s) instead of O(s * s)."""
 
+    mla_latent_norm_epsilon: float | None = None
+    """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
+    model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
+    1e-5 elsewhere)."""
+
+    @property
+    def mla_latent_norm_eps(self) -> float:
+        """The epsilon the MLA latent norms use."""
+        eps = self.mla_latent_norm_epsilon
+        return self.layernorm_epsilon if eps is None else eps
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.dsa_indexer_kpool not in KPOOL_ALLOWED:

@@ -173,15 +173,22 @@ def quantize_vectors(
 
 
 def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> torch.Tensor:
-    """The serving engines' index q/k path for ``x [..., 128]`` (pooled keys, or index-query heads):
-    BF16 -> Hadamard (FP32, scale 128**-0.5) -> BF16 -> e4m3 with one scale per 128-vector.
-    Returns the dequantized values, FP32 ``[..., 128]``."""
-    if x.shape[-1] != BLOCK:
-        raise ValueError(f"serving_index_quant needs 128 channels, got {x.shape[-1]}")
+    """The serving engines' index q/k path for ``x [..., d]`` (pooled keys, or index-query heads):
+    BF16 -> Hadamard (FP32, scale d**-0.5) -> BF16 -> e4m3 with one scale per d-vector.
+    Returns the dequantized values, FP32 ``[..., d]``.
+
+    Served GLM-5.x models have ``d = 128`` (the index cache's quantization block). Smaller
+    power-of-two ``d`` (CPU test models) run the same steps over their ``d`` channels."""
+    d = x.shape[-1]
+    if d > BLOCK or d < 1 or d & (d - 1):
+        raise ValueError(
+            f"serving_index_quant needs a power-of-two channel count <= {BLOCK} "
+            f"({BLOCK} on served models), got {d}"
+        )
     v = x.to(torch.bfloat16).float()
-    v = hadamard_transform(v, BLOCK**-0.5).to(torch.bfloat16)
-    q, scale = quantize_vectors(v, scale_format)
-    return q.float() * scale.repeat_interleave(BLOCK, dim=-1)
+    v = hadamard_transform(v, d**-0.5).to(torch.bfloat16)
+    scale = compute_scale(v.float().abs().amax(dim=-1, keepdim=True), scale_format)
+    return cast_e4m3(v, scale).float() * scale
 
 
 def serving_index_scores(
@@ -191,7 +198,7 @@ def serving_index_scores(
     relu: bool = True,
     scale_format: ScaleFormat = "ue8m0",
 ) -> torch.Tensor:
-    """Index scores as served: ``q [sq, h, 128]``, ``k [sk, 128]`` (pooled keys), ``weights
+    """Index scores as served: ``q [sq, h, d]``, ``k [sk, d]`` (pooled keys, d = 128 served), ``weights
     [sq, h]`` (the FP32 weights-projection output, already including any head/softmax scaling)
     -> FP32 ``[sq, sk]`` = ``sum_h weights[:, h] * act(q'[:, h] . k')`` with ``q' k'`` from
     :func:`serving_index_quant` and ``act`` = ReLU (or identity when ``relu=False``). No masking."""

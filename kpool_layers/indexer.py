@@ -16,6 +16,14 @@ through :func:`kpool_layers.indexer_loss.indexer_kl_loss`.
 All projections are plain linears duplicated on every TP rank (the indexer sees the full,
 SP-gathered sequence); their parameters carry megatron's ``average_gradients_across_tp_domain``
 so ``finalize_model_grads`` averages their gradients over TP.
+
+Precision (``docs/precision.md``): ``index_quant`` (set by the precision setup from
+``precision.dsa_indexer_kpool_use_quantization``) scores with the serving engines' quantized index
+inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every scored
+key, whose Hadamard replaces ``rotate_activation``), equal to
+:func:`kpool_layers.fp8.serving_index_scores`. For top-k drift, ``capture_for_drift`` keeps one
+forward's inputs and selection (:class:`DriftCapture`) and :meth:`DSAIndexer.recompute` redoes the
+selection from them under other numerics (:class:`IndexerNumerics`).
 """
 
 from __future__ import annotations
@@ -30,9 +38,10 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
 from kpool_layers.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
-from kpool_layers.topk import score_dtype
+from kpool_layers.topk import index_scores, score_dtype
 
 
 @dataclass
@@ -51,6 +60,68 @@ class IndexerOutput:
     (n = pools of the row, kpool > 1); grad to the key projection, norm, gate and ape."""
     layout: PoolLayout
     """Where the pools are and which ones each query sees (the same for every batch row)."""
+
+
+# --- precision: serving-quantized scoring and top-k drift capture ------------------------------
+
+
+@dataclass(frozen=True)
+class IndexerNumerics:
+    """Numerics of a recomputation that bypasses the linears' precision routing (drift reference).
+
+    ``qk_dtype``: q/k projections and KPool gate, unquantized GEMMs in this dtype (inputs cast);
+    ``weights_dtype``: head-weights projection dtype (``kpool > 1`` keeps the contract's FP32);
+    ``k_norm_fp32``: key LayerNorm in FP32; ``index_quant``: serving scale format
+    (``ue8m0`` | ``amax``) to score with :func:`serving_index_quant`-ed inputs, or None."""
+
+    qk_dtype: torch.dtype
+    weights_dtype: torch.dtype
+    k_norm_fp32: bool
+    index_quant: Optional[str]
+
+
+@dataclass
+class DriftCapture:
+    """One indexer forward, kept for the drift recomputation (all detached).
+
+    ``hidden [s, b, hidden]``, ``q_latent [s, b, q_lora_rank]``, ``rotary_fn``, ``cu_seqlens`` are
+    the forward's inputs; ``scored`` the training path's selection and scoring inputs."""
+
+    hidden: Tensor
+    q_latent: Tensor
+    rotary_fn: Optional[Callable[[Tensor], Tensor]]
+    cu_seqlens: Optional[Tensor]
+    scored: "ScoredSelection"
+
+
+@dataclass
+class ScoredSelection:
+    """A selection and exactly what was scored to make it (detached).
+
+    ``topk_indices`` int64 ``[b, s, W]``; ``q [s, b, h, d]`` and ``keys [n, b, d]`` as scored
+    (dequantized FP32 under ``index_quant``); ``weights [s, b, h]``; ``layout``."""
+
+    topk_indices: Tensor
+    q: Tensor
+    keys: Tensor
+    weights: Tensor
+    layout: PoolLayout
+
+    def scores(self, row: int, relu: bool, chunk_size: int) -> Tensor:
+        """FP32 ``[s, n]`` index scores of batch row ``row`` (``chunk_size`` queries at a time),
+        ``-inf`` where a query cannot see the key (causal / other document / incomplete pool)."""
+        lay = self.layout
+        cols = torch.arange(lay.n_pools, device=self.q.device)
+        out = []
+        for start in range(0, self.q.shape[0], chunk_size):
+            end = min(start + chunk_size, self.q.shape[0])
+            part = index_scores(self.q[start:end, row], self.keys[:, row], self.weights[start:end, row], relu=relu)
+            visible = (cols >= lay.query_lo[start:end, None]) & (cols < lay.query_hi[start:end, None])
+            out.append(part.masked_fill(~visible, float("-inf")))
+        return torch.cat(out)
+
+
+# --- end precision ------------------------------------------------------------------------------
 
 
 def _duplicated_linear(
@@ -109,6 +180,12 @@ class DSAIndexer(MegatronModule):
         for param in self.parameters():
             param.average_gradients_across_tp_domain = True  # type: ignore[attr-defined]
         self.tp_group = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]).tp
+        # --- precision (set by recipes.precision_setup / recipes.drift_logging) ---
+        self.index_quant: Optional[str] = None
+        """Serving scale format (ue8m0 | amax) to score with serving-quantized inputs; None = off."""
+        self.capture_for_drift = False
+        """Keep the next forward's :class:`DriftCapture` in ``drift_capture`` (then resets)."""
+        self.drift_capture: Optional[DriftCapture] = None
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
         """Module casts/moves, except that ``index_kpool_compress_ape`` never drops below FP32."""
@@ -148,42 +225,82 @@ class DSAIndexer(MegatronModule):
             )
         if cu_seqlens is not None and hidden.shape[1] != 1:
             raise ValueError(f"packed THD input needs batch size 1, got {hidden.shape[1]}")
-        cfg = self.config
         hidden, q_latent = hidden.detach(), q_latent.detach()
-        s, b, _ = hidden.shape
+        out, scored = self._index(hidden, q_latent, rotary_fn, cu_seqlens, numerics=None)
+        if self.capture_for_drift:
+            self.capture_for_drift = False
+            self.drift_capture = DriftCapture(hidden, q_latent, rotary_fn, cu_seqlens, scored)
+        return out
 
-        q = self.linear_wq_b(q_latent).view(s, b, self.n_heads, self.head_dim)
-        k = self.linear_wk(hidden)
-        if cfg.dsa_indexer_k_norm_fp32:
-            norm = self.k_norm
-            k = F.layer_norm(
-                k.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps
-            ).to(k.dtype)
-        else:
-            k = self.k_norm(k)
+    @torch.no_grad()
+    def recompute(self, capture: DriftCapture, numerics: IndexerNumerics) -> ScoredSelection:
+        """The selection of the captured forward redone under ``numerics`` (same weights, same
+        inputs, linears' precision routing bypassed)."""
+        _, scored = self._index(
+            capture.hidden, capture.q_latent, capture.rotary_fn, capture.cu_seqlens, numerics
+        )
+        return scored
+
+    def _project(self, linear: torch.nn.Linear, x: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
+        """``linear(x)`` (precision-routed) or, with ``dtype``, an unquantized GEMM in ``dtype``
+        (the same ``x @ w.T`` the routing computes for unquantized roles)."""
+        if dtype is None:
+            return linear(x)
+        return x.to(dtype) @ linear.weight.to(dtype).t()
+
+    def _k_norm(self, k: Tensor, fp32: bool) -> Tensor:
+        if not fp32:
+            return self.k_norm(k)
+        norm = self.k_norm
+        return F.layer_norm(
+            k.float(), norm.normalized_shape, norm.weight.float(), norm.bias.float(), norm.eps
+        ).to(k.dtype)
+
+    def _index(
+        self,
+        hidden: Tensor,
+        q_latent: Tensor,
+        rotary_fn: Optional[Callable[[Tensor], Tensor]],
+        cu_seqlens: Optional[Tensor],
+        numerics: Optional[IndexerNumerics],
+    ) -> tuple[IndexerOutput, ScoredSelection]:
+        """The indexer computation; ``numerics=None`` is the training path (routed linears,
+        ``config.dsa_indexer_k_norm_fp32``, ``self.index_quant``)."""
+        cfg = self.config
+        s, b, _ = hidden.shape
+        qk_dtype = numerics.qk_dtype if numerics else None
+        quant = numerics.index_quant if numerics else self.index_quant
+        k_norm_fp32 = numerics.k_norm_fp32 if numerics else cfg.dsa_indexer_k_norm_fp32
+
+        q = self._project(self.linear_wq_b, q_latent, qk_dtype).view(s, b, self.n_heads, self.head_dim)
+        k = self._k_norm(self._project(self.linear_wk, hidden, qk_dtype), k_norm_fp32)
         q = self._rope(q, rotary_fn)
         k = self._rope(k.view(s, b, 1, self.head_dim), rotary_fn).view(s, b, self.head_dim)
-        if cfg.dsa_indexer_rotate_activation:
+        if cfg.dsa_indexer_rotate_activation and quant is None:
             q, k = rotate_activation(q), rotate_activation(k)
         scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.kpool > 1:
             dtype = score_dtype(hidden.dtype)  # FP32 (FP64 stays FP64)
             weights = F.linear(hidden.to(dtype), self.linear_weights_proj.weight.to(dtype)) * scale
         else:
-            weights = self.linear_weights_proj(hidden) * scale
+            w_dtype = numerics.weights_dtype if numerics else None
+            weights = self._project(self.linear_weights_proj, hidden, w_dtype) * scale
+        # Serving-quantized scoring inputs (its Hadamard replaces rotate_activation).
+        q_scored = serving_index_quant(q, quant) if quant is not None else q
 
         layout = pool_layout(s, self.kpool, cu_seqlens, device=hidden.device)
         if self.kpool > 1:
-            gate = self.index_kpool_compress_gate(hidden)  # [s, b, head_dim]
-        keys, indices = [], []
+            gate = self._project(self.index_kpool_compress_gate, hidden, qk_dtype)  # [s, b, head_dim]
+        keys, scored_keys, indices = [], [], []
         for row in range(b):
             row_keys = k[:, row]
             if self.kpool > 1:
                 row_keys = pool_keys(row_keys, gate[:, row], self.index_kpool_compress_ape, layout)
+            row_scored = serving_index_quant(row_keys, quant) if quant is not None else row_keys
             indices.append(
                 kpool_select(
-                    q[:, row],
-                    row_keys,
+                    q_scored[:, row],
+                    row_scored,
                     weights[:, row],
                     layout,
                     topk=cfg.dsa_indexer_topk,
@@ -193,10 +310,20 @@ class DSAIndexer(MegatronModule):
                 )
             )
             keys.append(row_keys)
-        return IndexerOutput(
-            topk_indices=torch.stack(indices),
+            scored_keys.append(row_scored)
+        topk_indices = torch.stack(indices)
+        out = IndexerOutput(
+            topk_indices=topk_indices,
             q=q,
             weights=weights,
             keys=torch.stack(keys, dim=1),
             layout=layout,
         )
+        scored = ScoredSelection(
+            topk_indices=topk_indices,
+            q=q_scored.detach(),
+            keys=torch.stack(scored_keys, dim=1).detach(),
+            weights=weights.detach(),
+            layout=layout,
+        )
+        return out, scored

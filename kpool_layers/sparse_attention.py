@@ -13,8 +13,13 @@ A selected key counts once (duplicates in a row are dropped) and only if
 gets a zero output and zero gradients.
 
 Memory: queries are processed ``chunk_size`` rows at a time; per chunk the selected keys
-``[b, chunk, W, d_k]`` are gathered (in fp32, or fp64 for fp64 inputs) and the scores
-``[b, chunk, n, W]`` formed, never an ``[s, s]`` mask. Autograd saves only the inputs, the output
+``[b, chunk, W, d_k]`` are gathered and the scores ``[b, chunk, n, W]`` formed, never an
+``[s, s]`` mask.
+
+Precision: fp32/fp64 inputs are computed in their own dtype. For bf16/fp16 inputs the gathers and
+the four matmuls run in the input dtype on tensor cores (fp32 accumulation), while the softmax,
+its log-sum-exp, ``rowsum(dO * O)`` and the key-gradient accumulation are fp32, as in megatron's
+unfused attention (bf16 logits, fp32 softmax). Autograd saves only the inputs, the output
 and the per-row log-sum-exp ``[b, s, n]``; backward regathers each chunk (flash-attention style),
 so activation memory is linear in ``s``.
 """
@@ -48,6 +53,13 @@ def _flat_rows(keys: torch.Tensor, seq_len: int) -> torch.Tensor:
     return (keys + batch_offset).reshape(-1)
 
 
+def _dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(matmul/gather dtype, softmax/accumulation dtype) for inputs of ``dtype``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return dtype, torch.float32
+    return dtype, torch.promote_types(dtype, torch.float32)
+
+
 class _SparseMLAAttention(torch.autograd.Function):
     """Chunked sparse MQA attention with recomputation in backward (see module docstring)."""
 
@@ -56,21 +68,21 @@ class _SparseMLAAttention(torch.autograd.Function):
                 key_start: torch.Tensor | None, softmax_scale: float, v_channels: int,
                 chunk_size: int) -> torch.Tensor:
         s, b, n, d = query.shape
-        compute = torch.promote_types(query.dtype, torch.float32)
-        flat_kv = latent_kv.detach().to(compute).permute(1, 0, 2, 3).reshape(b * s, d)
+        mm, acc = _dtypes(query.dtype)
+        flat_kv = latent_kv.detach().to(mm).permute(1, 0, 2, 3).reshape(b * s, d)
         out = query.new_empty(s, b, n, v_channels)
-        lse = torch.empty(b, s, n, dtype=compute, device=query.device)
+        lse = torch.empty(b, s, n, dtype=acc, device=query.device)
         for r0 in range(0, s, chunk_size):
             r1 = min(r0 + chunk_size, s)
             keys, valid = _selected_keys(topk_indices[:, r0:r1], r0, key_start)
             k_sel = flat_kv[_flat_rows(keys, s)].view(b, r1 - r0, -1, d)
-            q = query[r0:r1].detach().to(compute).transpose(0, 1)  # [b, c, n, d]
-            probs = torch.matmul(q, k_sel.transpose(-1, -2)).mul_(softmax_scale)  # [b, c, n, W]
+            q = query[r0:r1].detach().to(mm).transpose(0, 1)  # [b, c, n, d]
+            probs = torch.matmul(q, k_sel.transpose(-1, -2)).to(acc).mul_(softmax_scale)  # [b, c, n, W]
             probs.masked_fill_(~valid[:, :, None, :], float("-inf"))
             row_lse = torch.logsumexp(probs, dim=-1)
             row_lse.masked_fill_(row_lse == float("-inf"), float("inf"))  # empty row -> p = 0
             probs.sub_(row_lse[..., None]).exp_()
-            out[r0:r1] = torch.matmul(probs, k_sel[..., :v_channels]).transpose(0, 1)
+            out[r0:r1] = torch.matmul(probs.to(mm), k_sel[..., :v_channels]).transpose(0, 1)
             lse[:, r0:r1] = row_lse
         ctx.save_for_backward(query, latent_kv, topk_indices, key_start, out, lse)
         ctx.softmax_scale = softmax_scale
@@ -83,27 +95,28 @@ class _SparseMLAAttention(torch.autograd.Function):
         query, latent_kv, topk_indices, key_start, out, lse = ctx.saved_tensors
         scale, v, chunk = ctx.softmax_scale, ctx.v_channels, ctx.chunk_size
         s, b, n, d = query.shape
-        compute = lse.dtype
-        flat_kv = latent_kv.to(compute).permute(1, 0, 2, 3).reshape(b * s, d)
-        grad_flat_kv = torch.zeros_like(flat_kv)
+        mm, acc = _dtypes(query.dtype)
+        flat_kv = latent_kv.to(mm).permute(1, 0, 2, 3).reshape(b * s, d)
+        grad_flat_kv = torch.zeros(b * s, d, dtype=acc, device=query.device)
         grad_query = torch.empty_like(query)
         for r0 in range(0, s, chunk):
             r1 = min(r0 + chunk, s)
             keys, valid = _selected_keys(topk_indices[:, r0:r1], r0, key_start)
             rows = _flat_rows(keys, s)
             k_sel = flat_kv[rows].view(b, r1 - r0, -1, d)
-            q = query[r0:r1].to(compute).transpose(0, 1)
-            d_out = grad_out[r0:r1].to(compute).transpose(0, 1)  # [b, c, n, v]
-            o = out[r0:r1].to(compute).transpose(0, 1)
-            probs = torch.matmul(q, k_sel.transpose(-1, -2)).mul_(scale)
+            q = query[r0:r1].to(mm).transpose(0, 1)
+            d_out = grad_out[r0:r1].to(mm).transpose(0, 1)  # [b, c, n, v]
+            o = out[r0:r1].transpose(0, 1)
+            probs = torch.matmul(q, k_sel.transpose(-1, -2)).to(acc).mul_(scale)
             probs.masked_fill_(~valid[:, :, None, :], float("-inf"))
             probs.sub_(lse[:, r0:r1, :, None]).exp_()
             # dS = P * (dP - rowsum(dO * O)) * scale
-            d_scores = torch.matmul(d_out, k_sel[..., :v].transpose(-1, -2))
-            d_scores.sub_((d_out * o).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+            d_scores = torch.matmul(d_out, k_sel[..., :v].transpose(-1, -2)).to(acc)
+            d_scores.sub_((d_out.to(acc) * o.to(acc)).sum(-1, keepdim=True)).mul_(probs).mul_(scale)
+            d_scores = d_scores.to(mm)
             grad_query[r0:r1] = torch.matmul(d_scores, k_sel).transpose(0, 1)
-            grad_k = torch.matmul(d_scores.transpose(-1, -2), q)  # [b, c, W, d]
-            grad_k[..., :v] += torch.matmul(probs.transpose(-1, -2), d_out)
+            grad_k = torch.matmul(d_scores.transpose(-1, -2), q).to(acc)  # [b, c, W, d]
+            grad_k[..., :v] += torch.matmul(probs.to(mm).transpose(-1, -2), d_out).to(acc)
             grad_flat_kv.index_add_(0, rows, grad_k.reshape(-1, d))
         grad_kv = grad_flat_kv.view(b, s, 1, d).transpose(0, 1).to(latent_kv.dtype)
         return grad_query, grad_kv, None, None, None, None, None

@@ -131,10 +131,16 @@ def dry_run(cfg: Any) -> None:
     print(f"per-rank memory at TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
           f"EP={p.expert_model_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs: "
           + ", ".join(f"{k} {v:.1f} GiB" for k, v in mem.items()) + " (activations excluded)")
-    print("precision map (module -> dtype):")
-    dtypes: dict[str, set[str]] = {}
-    for name, param in model.named_parameters():
-        role = ".".join(part for part in name.split(".") if not part.isdigit())
-        dtypes.setdefault(role, set()).add(str(param.dtype).replace("torch.", ""))
-    for role, kinds in sorted(dtypes.items()):
-        print(f"  {role}: {', '.join(sorted(kinds))}")
+    print_precision_map(cfg, model)
+
+
+def print_precision_map(cfg: Any, model: Any) -> None:
+    """The precision map of the meta-built model under ``cfg.precision`` (backend as configured:
+    the dry run plans for another machine)."""
+    from recipes.precision_setup import format_rows, policy_from_config, precision_rows
+
+    policy = policy_from_config(cfg.precision)
+    backend = policy.backend if policy.fp8 else "none"
+    print(f"precision map ({cfg.precision.name}, backend {backend}; role xN  compute  dtype):")
+    for line in format_rows(precision_rows(model, policy, backend)):
+        print(line)

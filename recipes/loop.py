@@ -32,10 +32,12 @@ from kpool_layers.config import GLMTransformerConfig
 from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
+from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
 from recipes.model import build_gpt_model
+from recipes.precision_setup import report_precision, setup_precision
 from recipes.preemption import PreemptionGuard
 from recipes.schema import validate
 
@@ -50,6 +52,7 @@ class Trainer:
     tcfg: GLMTransformerConfig
     num_microbatches: int
     dp_size: int
+    precision_map: list[dict[str, Any]]
 
 
 def write_result(run_dir: Path, **fields: Any) -> None:
@@ -99,6 +102,7 @@ def _build(cfg: Any) -> Trainer:
         model = model.cuda()
     if tcfg.bf16:
         model = Float16Module(tcfg, model)
+    precision_map = setup_precision(cfg.precision, model)  # precision: route linears (FP8 etc.)
     par = cfg.parallelism
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -129,7 +133,7 @@ def _build(cfg: Any) -> Trainer:
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.no_sync_func = ddp.no_sync
     return Trainer(ddp, optimizer, scheduler, tcfg,
-                   t.global_batch_size // (t.micro_batch_size * dp), dp)
+                   t.global_batch_size // (t.micro_batch_size * dp), dp, precision_map)
 
 
 def _batches(cfg: Any, consumed: int) -> data_lib.ResumableBatchIterator:
@@ -190,6 +194,9 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
                            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)
+    # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
+    report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
+    drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)
     guard = PreemptionGuard()
     fwd_bwd = get_forward_backward_func()
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
@@ -201,12 +208,16 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
             start = time.perf_counter()
             trainer.model.zero_grad_buffer()
             trainer.optimizer.zero_grad()
+            measure_drift = drift.due(progress.step + 1)
+            if measure_drift:
+                drift.arm()
             reports = fwd_bwd(
                 forward_step_func=partial(_forward_step, device), data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False,
             )
+            drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
             ok, grad_norm, _ = trainer.optimizer.step()
             trainer.scheduler.step(increment=t.global_batch_size)
             loss = _reduce_loss(reports)
@@ -216,6 +227,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
             if progress.step % t.log_interval == 0 or progress.step == t.steps:
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
                           cfg.data.seq_length, tokens_per_step, flops, device, t.steps)
+            if drift_metrics is not None:
+                drift.log(logger, progress.step, drift_metrics)
             stop = guard.should_stop()
             if stop or (t.save_interval and progress.step % t.save_interval == 0):
                 path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
@@ -226,7 +239,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
                 _print0(f"{guard.signal_name} received: checkpoint saved at step {progress.step}")
                 guard.requeue()
                 break
-        if status == "completed" and (t.save_interval == 0 or progress.step % t.save_interval != 0):
+        saved_last = t.save_interval and progress.step % t.save_interval == 0
+        if status == "completed" and t.save_final and not saved_last:
             path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
                                         trainer.scheduler, progress, t.keep_checkpoints)
             _print0(f"saved checkpoint {path}")

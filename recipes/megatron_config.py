@@ -1,8 +1,8 @@
 """The one place where the composed Hydra config becomes megatron-core's transformer config.
 
 ``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
-derives differently (dtype, MoE layer pattern, parallel sizes, CPU/GPU kernel switches) are listed
-explicitly in :func:`to_transformer_config`.
+derives differently (dtype, the indexer key-norm precision, MoE layer pattern, parallel sizes,
+CPU/GPU kernel switches) are listed explicitly in :func:`to_transformer_config`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
     if unknown:
         raise KeyError(f"model keys without a megatron field: {sorted(unknown)}")
 
-    bf16 = _plain(cfg.precision)["dtype"] == "bf16"
+    precision = _plain(cfg.precision)
+    bf16 = precision["dtype"] == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     experts = model["num_moe_experts"]
     first_dense = model["moe_first_k_dense_layers"]
@@ -77,6 +78,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
+        dsa_indexer_k_norm_fp32=precision["dsa_indexer_k_norm_fp32"],  # megatron's own field
         # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,

@@ -81,6 +81,18 @@ class MetricsLogger:
         if console:
             print(console, flush=True)
 
+    def update_config(self, values: dict[str, Any]) -> None:
+        """Add ``values`` to the wandb run config (e.g. the precision map)."""
+        if self._wandb is not None:
+            self._wandb.config.update(values, allow_val_change=True)
+
+    def log_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A wandb ``Table`` under ``key`` at ``step`` (wandb only; scalars go through :meth:`log`)."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
+
     def set_summary(self, key: str, value: Any) -> None:
         if self._wandb is not None:
             self._wandb.summary[key] = value

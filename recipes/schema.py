@@ -80,6 +80,7 @@ class ModelConfig:
     mscale_all_dim: float = 0.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    mla_latent_norm_epsilon: Optional[float] = None  # q/kv latent RMSNorm eps; null = layernorm_epsilon
     # DSA lightning indexer.
     dsa_indexer_n_heads: int = 4
     dsa_indexer_head_dim: int = 32
@@ -119,12 +120,62 @@ class DType(str, Enum):
     fp32 = "fp32"
 
 
+class Fp8Recipe(str, Enum):
+    blockwise = "blockwise"
+    tensorwise = "tensorwise"
+    rowwise = "rowwise"
+
+
+class Fp8Backend(str, Enum):
+    auto = "auto"
+    te = "te"
+    torch = "torch"
+    emulate = "emulate"
+
+
+class ScaleFormat(str, Enum):
+    ue8m0 = "ue8m0"
+    amax = "amax"
+
+
+class WeightsProjDtype(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    inherit = "inherit"
+
+
+class DriftReference(str, Enum):
+    serving = "serving"
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+
+@dataclass
+class DriftConfig:
+    """Top-k drift logging (``precision.drift.*``, see docs/precision.md)."""
+
+    interval: int = 50  # steps between measurements; 0 = off
+    reference: DriftReference = DriftReference.serving
+
+
 @dataclass
 class PrecisionConfig:
-    """Numeric formats. ``dtype`` is the parameter/compute dtype of the model."""
+    """Numeric formats. ``dtype`` is the parameter/compute dtype of the model; the other keys
+    (but ``name`` and ``drift``) are ``kpool_layers.precision.PrecisionPolicy`` fields."""
 
     name: str = "bf16"
     dtype: DType = DType.bf16
+    fp8: bool = False
+    recipe: Fp8Recipe = Fp8Recipe.blockwise
+    backend: Fp8Backend = Fp8Backend.auto
+    scale_format: ScaleFormat = ScaleFormat.ue8m0
+    dsa_indexer_qk_proj_disable_quantization: bool = False
+    mla_proj_disable_quantization: bool = False
+    dsa_indexer_kpool_use_quantization: bool = False
+    dsa_indexer_weights_proj_dtype: WeightsProjDtype = WeightsProjDtype.inherit
+    dsa_indexer_weights_proj_disable_quantization: bool = False
+    dsa_indexer_k_norm_fp32: bool = False
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
 
 @dataclass
@@ -192,6 +243,7 @@ class TrainConfig:
     seed: int = 1234
     log_interval: int = 1
     save_interval: int = 0  # 0: save only at the end
+    save_final: bool = True  # checkpoint after the last step (benchmarks turn it off)
     save: Optional[str] = None  # default: <run dir>/checkpoints
     load: Optional[str] = None  # a checkpoint to initialise the weights from (no optimizer state)
     resume: str = "auto"  # auto | none | <checkpoint dir>
@@ -336,6 +388,45 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(t.save_interval >= 0, "train.save_interval", t.save_interval, "0 (end only) or a positive step count")
     _require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
     _require(t.log_interval >= 1, "train.log_interval", t.log_interval, "an integer >= 1")
+    _validate_precision(cfg)
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+def _validate_precision(cfg: Any) -> None:
+    """``precision.*`` rules: backend usable by the recipes' (local) layer spec, FP8 layer shapes,
+    serving-quantized index inputs only for power-of-two indexer heads <= 128, drift settings."""
+    from kpool_layers import precision as prec
+
+    pr, m = cfg.precision, cfg.model
+    backend = _value(pr.backend)
+    if pr.fp8:
+        _require(backend != "te", "precision.backend", backend,
+                 "torch, emulate or auto: the recipes build megatron's local layer spec and "
+                 "precision.backend=te quantizes only Transformer Engine linears")
+        if not cfg.train.dry_run:  # a dry run plans for another machine
+            usable = [b for b in prec.available_backends() if b != "te"]
+            _require(backend == "auto" or backend in usable, "precision.backend", backend,
+                     f"auto or one available here: {usable}")
+        _require(not (m.num_moe_experts and m.moe_grouped_gemm), "model.moe_grouped_gemm", True,
+                 "false with precision.fp8=true (FP8 routing needs per-expert linears, SequentialMLP)")
+    if (pr.fp8 and _value(pr.dsa_indexer_weights_proj_dtype) == "fp32"
+            and not pr.dsa_indexer_weights_proj_disable_quantization):
+        raise ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
+                          "true when precision.dsa_indexer_weights_proj_dtype=fp32 and precision.fp8=true "
+                          "(an FP32 projection cannot also be an FP8 GEMM)")
+    interval = pr.drift.interval
+    _require(interval >= 0, "precision.drift.interval", interval, "0 (off) or a positive step count")
+    serving_ref = interval > 0 and _value(pr.drift.reference) == "serving"
+    if pr.dsa_indexer_kpool_use_quantization or serving_ref:
+        d = m.dsa_indexer_head_dim
+        key = ("precision.dsa_indexer_kpool_use_quantization=true" if pr.dsa_indexer_kpool_use_quantization
+               else "precision.drift.reference=serving")
+        _require(d <= 128 and d & (d - 1) == 0, "model.dsa_indexer_head_dim", d,
+                 f"a power of two <= 128 (128 on served models) with {key}: the serving index path "
+                 "quantizes one Hadamard-rotated head_dim vector per scale")
 
 
 def _check_index_share_stages(num_layers: int, pp: int, freq: int, offset: int) -> None:

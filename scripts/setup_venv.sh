@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with Python 3.12 and install the project with its test, data and slurm extras.
+# Create .venv with Python 3.12 and install the project with its test, data, slurm and hf extras.
 # megatron-core 0.19.2 ships cp312 wheels only, so 3.12 is required.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,5 +25,5 @@ if [ ! -x .venv/bin/python ]; then
   "$py" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e '.[test,data,slurm]'
+.venv/bin/python -m pip install -q -e '.[test,data,slurm,hf]'
 echo "installed into .venv ($(.venv/bin/python --version))"

@@ -208,7 +208,7 @@ def test_values_at_and_beyond_448():
 
 def test_shape_errors():
     with pytest.raises(ValueError, match="128"):
-        fp8.serving_index_quant(torch.zeros(4, 64))
+        fp8.serving_index_quant(torch.zeros(4, 96))
     with pytest.raises(ValueError, match="weight"):
         fp8.quantize(torch.zeros(2, 3, 4), "blockwise", "weight")
     with pytest.raises(ValueError, match="recipe"):

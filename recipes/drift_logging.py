@@ -1,0 +1,144 @@
+"""Top-k drift during training: every ``precision.drift.interval`` steps, how far each DSA layer's
+training top-k is from the selection under a reference precision (docs/precision.md).
+
+Per measured step (all ranks take part):
+
+1. :meth:`DriftMonitor.arm` before the forward-backward: every indexer that computes its own top-k
+   keeps its first forward's inputs and selection (``DSAIndexer.capture_for_drift``).
+2. :meth:`DriftMonitor.measure` after the forward-backward and *before* the optimizer step (the
+   weights are still those of the forward): each indexer recomputes the selection from the same
+   inputs under the reference numerics (:func:`reference_numerics`) without grad, and
+   :func:`kpool_layers.drift.topk_drift` / :func:`~kpool_layers.drift.boundary_tie_frac` compare
+   them. Metrics are averaged over data-parallel ranks
+   (:func:`~kpool_layers.drift.reduce_drift_metrics`) and gathered over pipeline stages.
+3. :meth:`DriftMonitor.log` on the logging rank: ``dsa/<metric>/layer_<N>`` per layer,
+   ``dsa/<metric>`` averaged over layers (metrics.jsonl + wandb), a per-layer ``dsa/drift_table``
+   wandb Table on the first and every 10th measurement, and a console line.
+
+Layer numbers ``N`` are the decoder's 1-based layer numbers; MTP layers continue after the last
+decoder layer (``num_layers + i``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from kpool_layers.drift import boundary_tie_frac, reduce_drift_metrics, topk_drift
+from kpool_layers.indexer import DSAIndexer, IndexerNumerics, ScoredSelection
+
+TABLE_EVERY = 10
+"""A per-layer wandb Table on the first and every ``TABLE_EVERY``-th measurement."""
+
+METRICS = ("topk_overlap", "topk_exact_rows", "topk_mismatch_frac", "topk_jaccard",
+           "boundary_tie_frac", "score_rel_err", "pool_overlap")
+"""Logged metric names (``pool_overlap`` only for ``kpool > 1``)."""
+
+
+def reference_numerics(reference: str, scale_format: str) -> IndexerNumerics:
+    """``serving``: BF16 q/k projections, FP32 weights projection and key norm, serving-quantized
+    scoring inputs (the emulated FP8 serving indexer); ``bf16``: everything BF16, no quantization;
+    ``fp32``: everything FP32, no quantization."""
+    if reference == "serving":
+        return IndexerNumerics(torch.bfloat16, torch.float32, k_norm_fp32=True, index_quant=scale_format)
+    if reference == "bf16":
+        return IndexerNumerics(torch.bfloat16, torch.bfloat16, k_norm_fp32=False, index_quant=None)
+    if reference == "fp32":
+        return IndexerNumerics(torch.float32, torch.float32, k_norm_fp32=True, index_quant=None)
+    raise ValueError(f"precision.drift.reference={reference!r} is not supported; allowed: ['serving', 'bf16', 'fp32']")
+
+
+def drift_indexers(model: torch.nn.Module, num_layers: int) -> dict[int, DSAIndexer]:
+    """Indexers of ``model`` (this pipeline stage) keyed by layer number (MTP after the decoder)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, DSAIndexer):
+            mtp = ".mtp." in f".{name}"
+            found[module.layer_number + (num_layers if mtp else 0)] = module
+    return found
+
+
+def _scores(sel: ScoredSelection, relu: bool, chunk: int) -> torch.Tensor:
+    """``[b, s, n]`` FP32 masked index scores of every batch row."""
+    return torch.stack([sel.scores(row, relu, chunk) for row in range(sel.topk_indices.shape[0])])
+
+
+def layer_drift(indexer: DSAIndexer, numerics: IndexerNumerics) -> dict[str, torch.Tensor]:
+    """Drift metrics of the indexer's captured forward against ``numerics``; consumes the capture."""
+    capture = indexer.drift_capture
+    if capture is None:
+        raise RuntimeError(f"indexer of layer {indexer.layer_number} has no drift capture (arm() first)")
+    indexer.drift_capture = None
+    cfg = indexer.config
+    ref = indexer.recompute(capture, numerics)
+    train = capture.scored
+    relu, chunk = cfg.dsa_indexer_scoring_relu, cfg.dsa_indexer_query_chunk_size
+    with torch.no_grad():
+        train_scores, ref_scores = _scores(train, relu, chunk), _scores(ref, relu, chunk)
+        tail = indexer.kpool - 1 if cfg.dsa_indexer_kpool_always_select_tail else 0
+        out = topk_drift(train.topk_indices, ref.topk_indices, kpool=indexer.kpool, tail=tail,
+                         train_scores=train_scores, ref_scores=ref_scores)
+        out["boundary_tie_frac"] = boundary_tie_frac(ref_scores, cfg.dsa_indexer_topk // indexer.kpool)
+    return out
+
+
+class DriftMonitor:
+    """Arms, measures and logs top-k drift for one model (see the module docstring)."""
+
+    def __init__(self, drift_cfg: Any, scale_format: str, model: torch.nn.Module, num_layers: int) -> None:
+        self.interval = int(drift_cfg.interval)
+        self.reference = str(getattr(drift_cfg.reference, "value", drift_cfg.reference))
+        self.numerics = reference_numerics(self.reference, str(getattr(scale_format, "value", scale_format)))
+        self.indexers = drift_indexers(model, num_layers)
+
+    def due(self, step: int) -> bool:
+        """Whether optimizer step ``step`` (1-based) is measured."""
+        return self.interval > 0 and step % self.interval == 0
+
+    def arm(self) -> None:
+        for indexer in self.indexers.values():
+            indexer.capture_for_drift = True
+
+    def measure(self) -> dict[int, dict[str, float]]:
+        """Per-layer metrics of the armed step, averaged over DP and gathered over PP (every rank
+        gets every layer). Call before the optimizer step."""
+        local = {layer: layer_drift(ix, self.numerics) for layer, ix in sorted(self.indexers.items())}
+        flat = {f"{layer}/{k}": v for layer, metrics in local.items() for k, v in metrics.items()}
+        if dist.is_initialized():
+            flat = reduce_drift_metrics(flat, ps.get_data_parallel_group())
+        per_layer: dict[int, dict[str, float]] = {}
+        for key, value in flat.items():
+            layer, metric = key.split("/")
+            per_layer.setdefault(int(layer), {})[metric] = float(value)
+        if dist.is_initialized() and ps.get_pipeline_model_parallel_world_size() > 1:
+            gathered: list[Optional[dict]] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(gathered, per_layer, group=ps.get_pipeline_model_parallel_group())
+            per_layer = {k: v for part in gathered for k, v in (part or {}).items()}
+        return dict(sorted(per_layer.items()))
+
+    def log(self, logger: Any, step: int, per_layer: dict[int, dict[str, float]]) -> dict[str, float]:
+        """Scalars (per layer + layer means) to ``logger`` (metrics.jsonl, wandb, console) and the
+        periodic per-layer table; returns the scalars."""
+        scalars: dict[str, float] = {}
+        names = [m for m in METRICS if any(m in v for v in per_layer.values())]
+        for metric in names:
+            values = [v[metric] for v in per_layer.values() if metric in v]
+            for layer, v in per_layer.items():
+                if metric in v:
+                    scalars[f"dsa/{metric}/layer_{layer}"] = v[metric]
+            scalars[f"dsa/{metric}"] = sum(values) / len(values)
+        worst = min(per_layer, key=lambda layer: per_layer[layer]["topk_overlap"])
+        line = (f"drift step {step:>5} vs {self.reference} | topk_overlap {scalars['dsa/topk_overlap']:.4f} "
+                f"(min layer {worst}: {per_layer[worst]['topk_overlap']:.4f}) | exact_rows "
+                f"{scalars['dsa/topk_exact_rows']:.4f} | boundary_ties {scalars['dsa/boundary_tie_frac']:.4f}"
+                f" | score_rel_err {scalars['dsa/score_rel_err']:.2e}")
+        if "dsa/pool_overlap" in scalars:
+            line += f" | pool_overlap {scalars['dsa/pool_overlap']:.4f}"
+        logger.log(step, scalars, console=line)
+        if (step // self.interval - 1) % TABLE_EVERY == 0:
+            rows = [[layer] + [v.get(m, float("nan")) for m in names] for layer, v in per_layer.items()]
+            logger.log_table(step, "dsa/drift_table", ["layer", *names], rows)
+        return scalars

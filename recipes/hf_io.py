@@ -1,0 +1,247 @@
+"""Streaming I/O for checkpoint conversion: HF safetensors in and out, block-FP8, and a megatron
+``torch_dist`` checkpoint written one tensor at a time.
+
+* :class:`HFReader` - a directory with ``model.safetensors.index.json`` (or one
+  ``model.safetensors``); tensors are read one at a time (memory-mapped files). FP8 e4m3 weights
+  with a ``weight_scale_inv`` companion (128 x 128 blocks) come back dequantized to bf16.
+* :class:`HFWriter` - sharded ``model-0000i-of-0000n.safetensors`` of at most ``shard_bytes``
+  each plus ``model.safetensors.index.json``; holds one shard in memory.
+* :func:`save_lazy_dist_checkpoint` - writes what ``dist_checkpointing.save`` would write for a
+  sharded state dict whose tensors live on the ``meta`` device, asking ``materialize(name)`` for
+  each real tensor only when torch DCP writes it (serially, one at a time).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FP8_BLOCK = 128
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+SCALE_SUFFIX = "_scale_inv"
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
+                       "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``weight`` (e4m3) times its per-128x128-block ``scale_inv`` [ceil(r/128), ceil(c/128)]."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+    return (weight.float() * scale).to(dtype)
+
+
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8 (e4m3, 128 x 128): ``(q, scale_inv)`` with ``q * scale_inv ~= weight`` and each
+    block's amax mapped to the e4m3 maximum (an all-zero block gets scale 1)."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = torch.zeros(br * FP8_BLOCK, bc * FP8_BLOCK, dtype=torch.float32)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view_as(padded)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn).contiguous(), scale_inv
+
+
+class HFReader:
+    """Tensors of an HF checkpoint directory, read (and FP8-dequantized) one at a time."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.dir = Path(directory)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self._file_of = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                self._file_of = {name: "model.safetensors" for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir}: neither model.safetensors.index.json nor model.safetensors")
+        self._handles: dict[str, Any] = {}
+
+    def config(self) -> dict[str, Any]:
+        """The checkpoint's ``config.json``."""
+        return json.loads((self.dir / "config.json").read_text())
+
+    def names(self) -> set[str]:
+        """Tensor names, FP8 scales excluded (they belong to their weight)."""
+        return {n for n in self._file_of if not n.endswith(SCALE_SUFFIX)}
+
+    def _handle(self, name: str) -> Any:
+        if name not in self._file_of:
+            raise KeyError(f"tensor {name!r} is not in {self.dir}")
+        file = self._file_of[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.dir / file, "pt")
+        return self._handles[file]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype :meth:`get` returns for ``name`` (bf16 for FP8 weights)."""
+        if name + SCALE_SUFFIX in self._file_of:
+            return torch.bfloat16
+        code = self._handle(name).get_slice(name).get_dtype()
+        if code not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {code}; supported: {sorted(_SAFETENSORS_DTYPES)}")
+        return _SAFETENSORS_DTYPES[code]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (FP8 weights dequantized to bf16)."""
+        tensor = self._handle(name).get_tensor(name)
+        scale = name + SCALE_SUFFIX
+        if scale in self._file_of:
+            return dequantize_fp8(tensor, self._handle(scale).get_tensor(scale))
+        return tensor
+
+    def close(self) -> None:
+        """Release the open files."""
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+
+
+class HFWriter:
+    """Sharded safetensors + ``model.safetensors.index.json``, one shard in memory at a time."""
+
+    def __init__(self, directory: str | os.PathLike, shard_bytes: int = 5 * 2**30) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.shard_bytes = shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._files: list[list[str]] = []
+        self._total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor``; writes the current shard first when it would overflow."""
+        if name in self._pending or any(name in f for f in self._files):
+            raise KeyError(f"tensor {name!r} written twice")
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += size
+        self._total += size
+
+    def _flush(self) -> None:
+        save_file(self._pending, self.dir / f"shard-{len(self._files):05d}.tmp", metadata={"format": "pt"})
+        self._files.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Write the last shard, give every shard its final name and write the index."""
+        if self._pending:
+            self._flush()
+        n = len(self._files)
+        weight_map = {}
+        names = []
+        for i, tensors in enumerate(self._files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(self.dir / f"shard-{i:05d}.tmp", self.dir / final)
+            weight_map.update({t: final for t in tensors})
+            names.append(final)
+        index = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def _shard_sources(sharded: dict[str, Any]) -> dict[tuple[str, tuple[int, ...]], tuple[str, Callable]]:
+    """(sharded key, global offset) of every ShardedTensor a state-dict entry becomes ->
+    (state-dict name, a function cutting that shard out of the entry's real tensor)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
+
+    sources = {}
+    for name, entry in sharded.items():
+        if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        entry = copy.copy(entry)  # saving reshapes the entries' data in place
+
+        def cut(real: torch.Tensor, key: str, offset: tuple[int, ...], entry: Any = entry) -> torch.Tensor:
+            built = {"x": replace(entry, data=real)}
+            apply_factories(built)
+            for sh in _flatten(built):
+                if sh.key == key and tuple(sh.global_offset) == offset:
+                    return sh.data
+            raise KeyError(f"no shard {key} at {offset}")
+
+        built = {"x": entry}
+        apply_factories(built)
+        for sh in _flatten(built):
+            sources[(sh.key, tuple(sh.global_offset))] = (name, cut)
+    return sources
+
+
+def _flatten(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, dict):
+        for v in tree.values():
+            yield from _flatten(tree=v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _flatten(v)
+    else:
+        yield tree
+
+
+def save_lazy_dist_checkpoint(sharded: dict[str, Any], directory: str | os.PathLike,
+                              materialize: Callable[[str], torch.Tensor]) -> None:
+    """Write the model-only dist checkpoint ``{"model": sharded}`` to ``directory``.
+
+    ``sharded`` is ``GPTModel.sharded_state_dict()`` of a model built on ``meta`` whose tensors
+    carry the dtypes to store; ``materialize(name)`` returns the real tensor of state-dict entry
+    ``name`` (same shape). The result is what ``dist_checkpointing.save`` writes (torch_dist
+    backend, ``common_state`` object, ``metadata.json``) and loads with resharding.
+    """
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+
+    sources = _shard_sources(sharded)
+    state, common = save_preprocess({"model": dict(sharded)}, validate_access_integrity=False)
+    state["common_state"] = ShardedObject(key="common_state", data=common, global_shape=(1,),
+                                          global_offset=(0,), replica_id=0)
+    state, _, _ = _replace_state_dict_keys_with_sharded_keys(state, True)
+    pyt_state = mcore_to_pyt_state_dict(state, False)
+    cache: dict[str, torch.Tensor] = {}
+
+    class LazyPlanner(MCoreSavePlanner):
+        """Resolves tensor write items by materializing their source tensor (one cached)."""
+
+        def resolve_data(self, write_item: Any) -> Any:
+            if write_item.tensor_data is None:
+                return super().resolve_data(write_item)
+            key, offset = write_item.index.fqn, tuple(write_item.index.offset)
+            name, cut = sources[(key, offset)]
+            if name not in cache:
+                cache.clear()
+                cache[name] = materialize(name)
+            shard = cut(cache[name], key, offset)
+            return shard.reshape(write_item.tensor_data.chunk.sizes).contiguous()
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dcp.save(pyt_state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=1),
+             planner=LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
+                                 flatten_sharded_tensors=False),
+             no_dist=True)
+    save_config(CheckpointingConfig("torch_dist", 1), str(directory))
+
+
+def stored_dtypes(directory: str | os.PathLike) -> dict[str, torch.dtype]:
+    """Sharded key -> stored dtype of every tensor in a torch_dist checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(str(directory)).read_metadata()
+    return {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}

@@ -1,0 +1,238 @@
+"""Applies the ``precision`` config group to a built GLM-5.x model and reports what it did.
+
+* :func:`policy_from_config` - ``precision.*`` -> :class:`kpool_layers.precision.PrecisionPolicy`.
+* :func:`linear_role` - the :class:`~kpool_layers.precision.Role` of every linear by module name.
+* :func:`setup_precision` - routes the linears (:func:`kpool_layers.precision.apply_precision`),
+  switches the indexers' serving-quantized scoring on, returns the precision map.
+* :func:`precision_rows` / :func:`report_precision` - the map (one row per linear: ``module``,
+  ``role``, ``quantized``, ``dtype``, ``backend``, ``note``), printed, saved as
+  ``<run dir>/precision_map.json`` and put in the wandb config.
+
+Two roles are not routed through a wrapped forward, and the map says so in ``note``:
+
+* ``mla.kv_up``: the absorbed MLA uses ``linear_kv_up_proj.weight`` directly (split per head into
+  ``W_uk`` / ``W_uv`` for batched matmuls, ``kpool_layers.attention``); its forward never runs,
+  so it always computes in the model dtype, never FP8, whatever the policy says.
+* ``indexer.weights`` with ``kpool > 1``: the KPool contract computes the head weights with an
+  FP32 GEMM inside the indexer (docs/kpool.md), so it is FP32 whatever the policy says.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+
+from kpool_layers.indexer import DSAIndexer
+from kpool_layers.precision import PrecisionPolicy, Role, apply_precision, available_backends
+
+_POLICY_KEYS = (
+    "fp8", "recipe", "backend", "scale_format", "dsa_indexer_qk_proj_disable_quantization",
+    "mla_proj_disable_quantization", "dsa_indexer_kpool_use_quantization",
+    "dsa_indexer_weights_proj_dtype", "dsa_indexer_weights_proj_disable_quantization",
+    "dsa_indexer_k_norm_fp32",
+)
+
+_LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TopKRouter, torch.nn.Linear)
+
+# (pattern on the module name with wrapper prefixes removed, role); the first match wins.
+_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple(
+    (re.compile(p), r)
+    for p, r in (
+        (r"(^|\.)embedding\.word_embeddings$", Role.EMBEDDING),
+        (r"(^|\.)output_layer$", Role.OUTPUT),
+        (r"\.self_attention\.linear_q_down_proj$", Role.MLA_Q_DOWN),
+        (r"\.self_attention\.linear_q_up_proj$", Role.MLA_Q_UP),
+        (r"\.self_attention\.linear_kv_down_proj$", Role.MLA_KV_DOWN),
+        (r"\.self_attention\.linear_kv_up_proj$", Role.MLA_KV_UP),
+        (r"\.self_attention\.linear_proj$", Role.MLA_OUT),
+        (r"\.indexer\.linear_wq_b$", Role.INDEXER_Q),
+        (r"\.indexer\.linear_wk$", Role.INDEXER_K),
+        (r"\.indexer\.linear_weights_proj$", Role.INDEXER_WEIGHTS),
+        (r"\.indexer\.index_kpool_compress_gate$", Role.INDEXER_KPOOL_GATE),
+        (r"\.mlp\.router$", Role.MOE_ROUTER),
+        (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1$", Role.MOE_EXPERT_FC1),
+        (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc2$", Role.MOE_EXPERT_FC2),
+        (r"\.mlp\.shared_experts\.linear_fc1$", Role.MOE_SHARED_FC1),
+        (r"\.mlp\.shared_experts\.linear_fc2$", Role.MOE_SHARED_FC2),
+        (r"\.mlp\.linear_fc1$", Role.MLP_FC1),
+        (r"\.mlp\.linear_fc2$", Role.MLP_FC2),
+    )
+)
+
+KV_UP_NOTE = "absorbed: weight used directly (W_uk/W_uv batched matmuls) in the model dtype, never FP8"
+KPOOL_WEIGHTS_NOTE = "KPool contract: FP32 GEMM inside the indexer"
+NO_ROLE_NOTE = "no precision role: left as built"
+
+
+def _value(x: Any) -> Any:
+    return getattr(x, "value", x)
+
+
+def policy_from_config(precision_cfg: Any) -> PrecisionPolicy:
+    """The policy of a ``precision`` config node (``name``, ``dtype`` and ``drift`` are not policy keys)."""
+    return PrecisionPolicy(**{k: _value(precision_cfg[k]) for k in _POLICY_KEYS})
+
+
+def _strip(name: str) -> str:
+    """Module name without DDP / Float16Module ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def linear_role(name: str) -> Optional[Role]:
+    """Role of the module called ``name`` in a (possibly wrapped) GPTModel, or None."""
+    bare = _strip(name)
+    for pattern, role in _RULES:
+        if pattern.search(bare):
+            return role
+    return None
+
+
+def _parent(modules: dict[str, torch.nn.Module], name: str) -> Optional[torch.nn.Module]:
+    return modules.get(name.rsplit(".", 1)[0]) if "." in name else None
+
+
+def _not_routed_note(modules: dict[str, torch.nn.Module], name: str, role: Role) -> Optional[str]:
+    """Why a role's linear is not routed (see the module docstring), or None if it is."""
+    if role is Role.MLA_KV_UP:
+        return KV_UP_NOTE
+    parent = _parent(modules, name)
+    if role is Role.INDEXER_WEIGHTS and isinstance(parent, DSAIndexer) and parent.kpool > 1:
+        return KPOOL_WEIGHTS_NOTE
+    return None
+
+
+def _routing_role_of(model: torch.nn.Module):  # noqa: ANN202 - kpool_layers.precision.RoleOf
+    modules = dict(model.named_modules())
+
+    def role_of(name: str, module: torch.nn.Module) -> Optional[str]:
+        role = linear_role(name)
+        if role is None or _not_routed_note(modules, name, role) is not None:
+            return None
+        return role.value
+
+    return role_of
+
+
+def resolve_backend(policy: PrecisionPolicy) -> str:
+    """The backend the recipes use: ``none`` without FP8; ``auto`` -> ``torch`` on an FP8 GPU,
+    else ``emulate`` (the recipes build megatron's local spec, so never ``te``, which validation
+    rejects); a concrete name must be available."""
+    if not policy.fp8:
+        return "none"
+    usable = [b for b in available_backends() if b != "te"]
+    if policy.backend == "auto":
+        return usable[0]
+    if policy.backend not in usable:
+        raise ValueError(f"precision.backend={policy.backend!r} is not available here; available: {usable}")
+    return policy.backend
+
+
+def _weight_dtype(module: torch.nn.Module) -> torch.dtype:
+    weight = getattr(module, "weight", None)
+    return weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16
+
+
+def precision_rows(model: torch.nn.Module, policy: PrecisionPolicy, backend: str) -> list[dict[str, Any]]:
+    """The precision map: one row per linear-like module of ``model`` (parallel linears,
+    ``nn.Linear``, embedding, router) with ``module`` (wrapper prefixes removed), ``role`` (or
+    None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
+    rows, else ``"none"``) and ``note`` (why a role is not routed, else None)."""
+    modules = dict(model.named_modules())
+    rows = []
+    for name, module in modules.items():
+        if not isinstance(module, _LINEAR_TYPES):
+            continue
+        role = linear_role(name)
+        own = _weight_dtype(module)
+        if role is None:
+            quantized, dtype, note = False, own, NO_ROLE_NOTE
+        else:
+            note = _not_routed_note(modules, name, role)
+            if note == KV_UP_NOTE:
+                quantized, dtype = False, own
+            elif note == KPOOL_WEIGHTS_NOTE:
+                quantized, dtype = False, torch.float32
+            else:
+                quantized, dtype = policy.quantized(role), policy.dtype(role, own)
+        rows.append({
+            "module": _strip(name),
+            "role": role.value if role else None,
+            "quantized": quantized,
+            "dtype": str(dtype).removeprefix("torch."),
+            "backend": backend if quantized else "none",
+            "note": note,
+        })
+    return rows
+
+
+def check_torch_backend_shapes(rows: list[dict[str, Any]], model: torch.nn.Module, recipe: str) -> None:
+    """``torch`` backend: FP8 GEMMs need K, N divisible by 16 (128 for blockwise); raise naming
+    every quantized linear that is not, before training starts."""
+    multiple = 128 if recipe == "blockwise" else 16
+    modules = {_strip(n): m for n, m in model.named_modules()}
+    bad = [f"{r['module']} {tuple(modules[r['module']].weight.shape)}" for r in rows
+           if r["quantized"] and any(d % multiple for d in modules[r["module"]].weight.shape)]
+    if bad:
+        raise ValueError(
+            f"precision.backend=torch with precision.recipe={recipe} needs weight dims divisible by "
+            f"{multiple}; not: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} ({len(bad)} linears); "
+            "allowed: precision.backend=emulate, or keep these roles unquantized"
+        )
+
+
+def setup_precision(precision_cfg: Any, model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Apply ``precision_cfg`` to a built (dtype-cast) model: route every routable linear through
+    the policy, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized scoring when
+    ``dsa_indexer_kpool_use_quantization``); returns :func:`precision_rows`. The key LayerNorm
+    precision is the transformer config's ``dsa_indexer_k_norm_fp32`` (recipes.megatron_config)."""
+    policy = policy_from_config(precision_cfg)
+    backend = resolve_backend(policy)
+    routed = dataclasses.replace(policy, backend=backend) if policy.fp8 else policy
+    if backend == "torch":
+        check_torch_backend_shapes(precision_rows(model, policy, backend), model, policy.recipe)
+    apply_precision(model, routed, _routing_role_of(model))
+    quant = policy.scale_format if policy.dsa_indexer_kpool_use_quantization else None
+    for module in model.modules():
+        if isinstance(module, DSAIndexer):
+            module.index_quant = quant
+    return precision_rows(model, policy, backend)
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Console lines of the map, one per role (layers collapsed) with the module count."""
+    groups: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["role"] or re.sub(r"\.\d+\.", ".N.", r["module"]), r["quantized"], r["dtype"],
+               r["backend"], r["note"])
+        groups[key] = groups.get(key, 0) + 1
+    lines = []
+    for (role, quantized, dtype, backend, note), n in groups.items():
+        kind = f"FP8 ({backend})" if quantized else "unquantized"
+        lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
+    return lines
+
+
+def report_precision(rows: list[dict[str, Any]], policy_cfg: Any, run_dir: Path, logger: Any) -> None:
+    """Print the map, write ``run_dir/precision_map.json`` and add it to the wandb config
+    (``logger``: :class:`recipes.metrics.MetricsLogger`; a no-op on non-logging ranks)."""
+    if not logger.enabled:
+        return
+    policy = policy_from_config(policy_cfg)
+    print(f"precision {policy_cfg.name}: backend {resolve_backend(policy)}", flush=True)
+    for line in format_rows(rows):
+        print(line, flush=True)
+    (run_dir / "precision_map.json").write_text(json.dumps(rows, indent=1))
+    logger.update_config({"precision_map": rows})

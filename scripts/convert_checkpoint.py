@@ -1,0 +1,219 @@
+"""Convert GLM-5.x checkpoints between Hugging Face safetensors and our megatron dist checkpoints.
+
+    python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT
+    python scripts/convert_checkpoint.py export --ckpt CKPT --hf-out DIR [--model NAME|FILE.yaml] [--fp8]
+
+``import`` writes a torch_dist checkpoint with full (unsharded) tensors, which megatron's
+``dist_checkpointing`` reshards on load to any TP/PP/EP: ``python train.py model=NAME
+train.load=CKPT`` (weights only). Without ``--model`` the ``model`` group is derived from the HF
+``config.json`` and printed; it is also saved as ``CKPT/model.yaml``, which ``export`` reads when
+``--model`` is not given. Both directions stream: one tensor (import) or one HF layer (export) is
+in memory at a time. See docs/hf_interop.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from kpool_layers import _cpu  # noqa: E402
+from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
+from recipes.hf_io import HFReader, HFWriter, quantize_fp8, save_lazy_dist_checkpoint, stored_dtypes  # noqa: E402
+from recipes.hf_mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
+from recipes.schema import Config, ModelConfig  # noqa: E402
+
+MODEL_YAML = "model.yaml"
+FP8_WEIGHTS = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|wq_b|wk|gate_proj|up_proj|down_proj)\.weight$")
+"""HF tensors ``export --fp8`` stores as block FP8 (the linears of attention, indexer and MLPs);
+embeddings, norms, router, indexer head weights, MTP ``eh_proj`` and KPool tensors stay as they are."""
+
+
+def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name: str = "hf_import") -> DictConfig:
+    """The typed ``model`` group: ``conf/model/<model>.yaml``, a yaml file, or derived from ``hf_config``."""
+    schema = OmegaConf.structured(ModelConfig)
+    if model is None:
+        if hf_config is None:
+            raise ValueError("--model is required: no HF config.json or model.yaml to derive it from")
+        return OmegaConf.merge(schema, model_config_from_hf(hf_config, name))
+    path = Path(model)
+    if not path.is_file():
+        path = ROOT / "conf" / "model" / f"{model}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"--model {model}: neither a yaml file nor conf/model/{model}.yaml")
+    return OmegaConf.merge(schema, OmegaConf.load(path))
+
+
+def init_single_rank() -> None:
+    """A one-process gloo group and megatron parallel state at TP = PP = EP = 1 (if none yet)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    _cpu.install()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            import socket
+
+            with socket.socket() as sock:  # a free port: another converter may hold any fixed one
+                sock.bind(("127.0.0.1", 0))
+                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=1)
+        model_parallel_cuda_manual_seed(1234)
+
+
+def meta_sharded_state_dict(model_cfg: DictConfig) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """``GPTModel.sharded_state_dict()`` of the model built on ``meta`` at TP = PP = EP = 1, and
+    the shape of every state-dict tensor (expert shards carry an extra leading axis)."""
+    from recipes.megatron_config import to_transformer_config
+    from recipes.model import build_gpt_model, meta_init
+
+    init_single_rank()
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), {"model": model_cfg, "precision": {"dtype": "fp32"}})
+    tcfg = to_transformer_config(cfg)
+    with meta_init(tcfg):
+        model = build_gpt_model(cfg, tcfg)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    return model.sharded_state_dict(), shapes
+
+
+def _tensor_entries(sharded: dict[str, Any], mapping: Mapping) -> dict[str, TensorMap]:
+    """Map every tensor entry of ``sharded`` to its TensorMap; raise naming any mismatch."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    tensors = {k for k, v in sharded.items() if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
+    by_name = {m.megatron: m for m in mapping.maps}
+    if tensors != set(by_name):
+        raise KeyError(f"model and mapping disagree: model only {sorted(tensors - set(by_name))}, "
+                       f"mapping only {sorted(set(by_name) - tensors)}")
+    return by_name
+
+
+def _with_data(entry: Any, data: torch.Tensor) -> Any:
+    """``entry`` (ShardedTensor or factory) over ``data`` instead of its own tensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(entry, ShardedTensor):
+        return replace(entry, data=data, dtype=data.dtype)
+    return replace(entry, data=data)
+
+
+def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | None = None) -> DictConfig:
+    """HF checkpoint directory -> megatron dist checkpoint ``out``; returns the ``model`` group."""
+    reader = HFReader(hf_dir)
+    model_cfg = model_group(model, reader.config())
+    if model is None:
+        print(f"model config derived from {Path(hf_dir) / 'config.json'}:\n{OmegaConf.to_yaml(model_cfg)}")
+    mapping = build_mapping(model_cfg)
+    present = reader.names()
+    check_hf_names(mapping, present)
+    for alias, target in mapping.aliases.items():
+        if alias in present and not torch.equal(reader.get(alias), reader.get(target)):
+            raise ValueError(f"{alias} differs from {target}; megatron's MTP shares that tensor")
+    sharded, shapes = meta_sharded_state_dict(model_cfg)
+    by_name = _tensor_entries(sharded, mapping)
+    dtypes = {name: reader.dtype(m.hf[0]) for name, m in by_name.items()}
+    for name in by_name:
+        sharded[name] = _with_data(sharded[name], torch.empty(shapes[name], dtype=dtypes[name], device="meta"))
+
+    def materialize(name: str) -> torch.Tensor:
+        m = by_name[name]
+        tensor = m.conversion.to_megatron([reader.get(h) for h in m.hf])
+        if tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{m.hf} -> {name}: shape {tuple(tensor.shape)}, the model expects {shapes[name]}")
+        return tensor.to(dtypes[name])
+
+    save_lazy_dist_checkpoint(sharded, out, materialize)
+    (Path(out) / MODEL_YAML).write_text(OmegaConf.to_yaml(model_cfg))
+    reader.close()
+    return model_cfg
+
+
+def _hf_group(name: str) -> str:
+    """Export groups: one per HF layer, plus the tensors outside layers."""
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return match.group(0) if match else "global"
+
+
+def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | None = None,
+              fp8: bool = False, shard_bytes: int = 5 * 2**30) -> None:
+    """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json)."""
+    from megatron.core import dist_checkpointing
+
+    yaml = Path(ckpt) / MODEL_YAML
+    model_cfg = model_group(model if model is not None else (str(yaml) if yaml.is_file() else None))
+    mapping = build_mapping(model_cfg)
+    sharded, shapes = meta_sharded_state_dict(model_cfg)
+    _tensor_entries(sharded, mapping)
+    dtypes = stored_dtypes(ckpt)
+    aliases_of: dict[str, list[str]] = {}
+    for alias, target in mapping.aliases.items():
+        aliases_of.setdefault(target, []).append(alias)
+    groups: dict[str, list[TensorMap]] = {}
+    for m in mapping.maps:
+        groups.setdefault(_hf_group(m.hf[0]), []).append(m)
+
+    writer = HFWriter(hf_out, shard_bytes)
+    dtype_counts: dict[torch.dtype, int] = {}
+    for maps in groups.values():
+        request = {}
+        for m in maps:
+            entry = sharded[m.megatron]
+            request[m.megatron] = _with_data(entry, torch.empty(entry.data.shape, dtype=dtypes[entry.key]))
+        loaded = dist_checkpointing.load({"model": request}, str(ckpt))["model"]
+        for m in maps:
+            for hf_name, tensor in zip(m.hf, m.conversion.to_hf(loaded[m.megatron].reshape(shapes[m.megatron])), strict=True):
+                dtype_counts[tensor.dtype] = dtype_counts.get(tensor.dtype, 0) + tensor.numel()
+                for name in [hf_name, *aliases_of.get(hf_name, [])]:
+                    if fp8 and tensor.dim() == 2 and FP8_WEIGHTS.search(name):
+                        q, scale_inv = quantize_fp8(tensor)
+                        writer.add(name, q)
+                        writer.add(name[: -len("weight")] + "weight_scale_inv", scale_inv)
+                    else:
+                        writer.add(name, tensor)
+    writer.finish()
+    main_dtype = max(dtype_counts, key=dtype_counts.get)
+    config = hf_config_from_model(model_cfg, str(main_dtype).removeprefix("torch."))
+    if fp8:
+        config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                         "weight_block_size": [128, 128]}
+    (Path(hf_out) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="HF safetensors -> megatron dist checkpoint")
+    imp.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    imp.add_argument("--model", help="conf/model name or yaml file (default: derived from config.json)")
+    imp.add_argument("--out", required=True, help="dist checkpoint directory to write")
+    exp = sub.add_parser("export", help="megatron dist checkpoint -> HF safetensors")
+    exp.add_argument("--ckpt", required=True, help="dist checkpoint directory (e.g. .../iter_0000100)")
+    exp.add_argument("--hf-out", required=True, help="HF directory to write")
+    exp.add_argument("--model", help="conf/model name or yaml file (default: CKPT/model.yaml)")
+    exp.add_argument("--fp8", action="store_true", help="write block-FP8 (e4m3, 128x128 weight_scale_inv)")
+    exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
+    args = parser.parse_args(argv)
+    if args.command == "import":
+        import_hf(args.hf, args.out, args.model)
+    else:
+        export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30))
+
+
+if __name__ == "__main__":
+    main()

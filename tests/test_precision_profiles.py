@@ -1,0 +1,194 @@
+"""Precision profiles on the built GLM-5 tiny model: every linear's role routed exactly as the
+profile says, serving-quantized indexer scoring equal to ``fp8.serving_index_scores``, top-k drift
+exact for ``serving_match`` and measurable for ``bf16``, config validation of the precision keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kpool_layers import fp8
+from kpool_layers.indexer import DSAIndexer
+from kpool_layers.precision import _ROUTED
+from kpool_layers.topk import topk_lower_index_ties
+from recipes.distributed import register_resolvers
+from recipes.drift_logging import DriftMonitor
+from recipes.megatron_config import to_transformer_config
+from recipes.model import build_gpt_model
+from recipes.precision_setup import KV_UP_NOTE, setup_precision
+from recipes.schema import ConfigError, register_configs, validate
+from tests.test_indexer import tiny_config
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_resolvers()
+register_configs()
+
+ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
+MLA_ROUTED = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.out"}  # mla.kv_up is absorbed
+INDEXER = {"indexer.q", "indexer.k", "indexer.weights"}
+QUANTIZED = {"bf16": set(), "fp8": ALWAYS | MLA_ROUTED | INDEXER, "serving_match": ALWAYS}
+FP32_ROLES = {"bf16": {"moe.router"}, "fp8": {"moe.router"}, "serving_match": {"moe.router", "indexer.weights"}}
+ROLES = ALWAYS | MLA_ROUTED | INDEXER | {"mla.kv_up", "moe.router", "embedding", "output"}
+
+
+def _compose(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _build(overrides: list[str]):
+    cfg = _compose(["model=glm5_tiny", "data.seq_length=64", *overrides])
+    validate(cfg, 1)
+    tcfg = to_transformer_config(cfg)
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, tcfg).to(tcfg.params_dtype)
+    return cfg, model
+
+
+def _forward(model: torch.nn.Module, seed: int = 0, batch: int = 2, seq: int = 64) -> None:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 512, (batch, seq), generator=g)
+    positions = torch.arange(seq).expand(batch, seq)
+    with torch.no_grad():
+        model(tokens, positions, None)
+
+
+@pytest.mark.parametrize("profile", ["bf16", "fp8", "serving_match"])
+def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, profile):
+    cfg, model = _build([f"precision={profile}", "precision.backend=emulate"])
+    rows = setup_precision(cfg.precision, model)
+    modules = dict(model.named_modules())
+    assert {r["role"] for r in rows} == ROLES  # every role present, no linear without a role
+    for row in rows:
+        role, module = row["role"], modules[row["module"]]
+        assert row["quantized"] == (role in QUANTIZED[profile]), row
+        assert row["dtype"] == ("float32" if role in FP32_ROLES[profile] else "bfloat16"), row
+        assert row["backend"] == ("emulate" if row["quantized"] else "none"), row
+        overrides = [a for a in ("forward", "_forward_impl") if getattr(vars(module).get(a), _ROUTED, False)]
+        # Introspection: quantized roles and dtype changes (FP32 indexer weights) are routed, the
+        # absorbed kv_up, the embedding, the output layer and the FP32 router are not.
+        routed = row["quantized"] or (role == "indexer.weights" and profile == "serving_match")
+        assert bool(overrides) == routed, (row, overrides)
+        if role == "mla.kv_up":
+            assert row["note"] == KV_UP_NOTE and not row["quantized"]
+    indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
+    assert len(indexers) == 4
+    assert all(ix.index_quant == ("ue8m0" if profile == "serving_match" else None) for ix in indexers)
+    assert all(ix.config.dsa_indexer_k_norm_fp32 == (profile == "serving_match") for ix in indexers)
+
+
+def test_quantized_linear_computes_emulated_fp8(single_rank_parallel_state):
+    cfg, model = _build(["precision=fp8", "precision.backend=emulate"])
+    setup_precision(cfg.precision, model)
+    fc1 = model.decoder.layers[0].mlp.linear_fc1
+    x = torch.randn(5, 2, 128).to(torch.bfloat16)
+    out, _ = fc1(x)
+    x_deq = fp8.emulate(x.reshape(-1, 128), "blockwise", "activation")
+    expected = (x_deq @ fp8.emulate(fc1.weight.detach(), "blockwise", "weight").t()).to(torch.bfloat16)
+    assert torch.equal(out.reshape(-1, out.shape[-1]), expected)
+
+
+def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_state):
+    torch.manual_seed(0)
+    cfg = tiny_config(dsa_indexer_head_dim=32, dsa_indexer_n_heads=4, dsa_indexer_topk=6)
+    indexer = DSAIndexer(cfg, layer_number=1)
+    indexer.index_quant = "ue8m0"
+    indexer.capture_for_drift = True
+    s = 20
+    hidden, q_latent = torch.randn(s, 1, 16), torch.randn(s, 1, 8)
+    out = indexer(hidden, q_latent)
+    # Independent: unrotated q / LayerNorm-ed k / scaled weights into fp8.serving_index_scores.
+    q = (q_latent[:, 0] @ indexer.linear_wq_b.weight.t()).view(s, 4, 32)
+    k = indexer.k_norm(hidden[:, 0] @ indexer.linear_wk.weight.t())
+    w = hidden[:, 0] @ indexer.linear_weights_proj.weight.t() * (4**-0.5 * 32**-0.5)
+    expected = fp8.serving_index_scores(q, k, w)
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    expected = expected.masked_fill(~causal, float("-inf"))
+    got = indexer.drift_capture.scored.scores(0, relu=True, chunk_size=7)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    ref_idx = topk_lower_index_ties(expected, 6)
+    ref_idx = torch.where(torch.arange(6) < (torch.arange(s) + 1)[:, None], ref_idx, -1)
+    assert torch.equal(out.topk_indices[0], ref_idx)
+    assert indexer.capture_for_drift is False  # one forward only
+    # Without index_quant the scores are the unquantized (rotated) ones: quantization is no no-op.
+    indexer.index_quant, indexer.capture_for_drift = None, True
+    indexer(hidden, q_latent)
+    plain = indexer.drift_capture.scored.scores(0, relu=True, chunk_size=7)
+    assert not torch.equal(plain, got)
+    torch.testing.assert_close(plain, got, rtol=0.2, atol=0.2)
+
+
+def _drift(model: torch.nn.Module, cfg) -> dict[int, dict[str, float]]:
+    monitor = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, model, cfg.model.num_layers)
+    monitor.arm()
+    _forward(model)
+    return monitor.measure()
+
+
+def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
+    cfg, model = _build(["precision=serving_match", "precision.backend=emulate"])
+    setup_precision(cfg.precision, model)
+    exact = _drift(model, cfg)
+    assert sorted(exact) == [1, 2, 3, 4]
+    for metrics in exact.values():
+        assert metrics["topk_overlap"] == 1.0 and metrics["topk_exact_rows"] == 1.0
+        assert metrics["topk_jaccard"] == 1.0 and metrics["score_rel_err"] == 0.0
+    # Same weights and tokens under bf16 (re-routed; the key norm back to the model dtype as
+    # to_transformer_config sets it for bf16): the serving reference's FP8 rounding flips selections.
+    bf16 = _compose(["model=glm5_tiny", "precision=bf16"])
+    setup_precision(bf16.precision, model)
+    model.config.dsa_indexer_k_norm_fp32 = False  # the one config object all layers share
+    drifted = _drift(model, bf16)
+    overlaps = [m["topk_overlap"] for m in drifted.values()]
+    assert all(0.5 < o < 1.0 for o in overlaps), overlaps
+    assert all(0.0 < m["score_rel_err"] < 0.5 for m in drifted.values())
+    assert all(m["topk_mismatch_frac"] <= 1.0 - m["topk_exact_rows"] for m in drifted.values())
+
+
+def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
+    cfg, model = _build(["precision=bf16", "model.dsa_indexer_kpool=4", "model.dsa_indexer_kpool_always_select_tail=true"])
+    setup_precision(cfg.precision, model)
+    for ix in model.modules():
+        if isinstance(ix, DSAIndexer):  # non-uniform pooling gates
+            torch.nn.init.normal_(ix.index_kpool_compress_gate.weight, std=0.5)
+    drifted = _drift(model, cfg)
+    for m in drifted.values():
+        assert 0.0 < m["pool_overlap"] < 1.0 and 0.0 < m["topk_overlap"] < 1.0
+        assert 0.0 <= m["boundary_tie_frac"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["precision=fp8", "precision.backend=te"], "precision.backend"),
+        (["precision=fp8", "precision.backend=torch"], "precision.backend"),
+        (["precision=fp8", "model.moe_grouped_gemm=true"], "model.moe_grouped_gemm"),
+        (["precision=fp8", "precision.dsa_indexer_weights_proj_dtype=fp32"],
+         "precision.dsa_indexer_weights_proj_disable_quantization"),
+        (["precision=serving_match", "model.dsa_indexer_head_dim=96", "model.dsa_indexer_rotate_activation=false"],
+         "model.dsa_indexer_head_dim"),
+        (["model.dsa_indexer_head_dim=256"], "model.dsa_indexer_head_dim"),
+        (["precision.drift.interval=-1"], "precision.drift.interval"),
+    ],
+)
+def test_invalid_precision_names_the_key(overrides, key):
+    if key == "precision.backend" and "torch" in overrides[-1] and torch.cuda.is_available():
+        pytest.skip("the torch backend is available on this GPU")
+    cfg = _compose(overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert err.value.key == key and "allowed" in str(err.value)
+
+
+def test_profiles_compose_to_the_policy():
+    from kpool_layers.precision import PrecisionPolicy
+    from recipes.precision_setup import policy_from_config
+
+    for name in ("bf16", "fp8", "serving_match"):
+        cfg = _compose([f"precision={name}"])
+        assert policy_from_config(cfg.precision) == PrecisionPolicy.profile(name)
+    cfg = _compose(["precision=serving_match", "precision.recipe=rowwise", "precision.drift.reference=fp32"])
+    assert policy_from_config(cfg.precision).recipe == "rowwise" and cfg.precision.drift.reference.value == "fp32"
