@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def single_rank_parallel_state():
+def single_rank_parallel_state(monkeypatch: pytest.MonkeyPatch):
     """A one-process gloo (or NCCL) group with megatron's parallel state at TP=PP=1."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -29,8 +29,8 @@ def single_rank_parallel_state():
 
     created = not dist.is_initialized()
     if created:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ["MASTER_PORT"] = str(free_port())
+        monkeypatch.setenv("MASTER_ADDR", os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
         dist.init_process_group(
             "nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1
         )

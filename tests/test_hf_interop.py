@@ -196,7 +196,7 @@ def test_hf_config_round_trip_and_unsupported_keys() -> None:
 
 @pytest.mark.dist
 def test_train_loads_the_import(tmp_path: Path) -> None:
-    from tests.train_runner import run_train
+    from tests.train_runner import run_train, subprocess_env
 
     hf_dir = save_tiny(tmp_path / "hf", index_n_heads=4)  # exactly glm5_tiny's shapes
     import subprocess
@@ -204,7 +204,8 @@ def test_train_loads_the_import(tmp_path: Path) -> None:
 
     root = Path(__file__).resolve().parents[1]
     subprocess.run([sys.executable, str(root / "scripts" / "convert_checkpoint.py"), "import", "--hf", str(hf_dir),
-                    "--model", "glm5_tiny", "--out", str(tmp_path / "ckpt")], check=True, cwd=root)
+                    "--model", "glm5_tiny", "--out", str(tmp_path / "ckpt")], check=True, cwd=root,
+                   env=subprocess_env())
     out = run_train(tmp_path, "load", ["model=glm5_tiny", "precision=fp32", "data.seq_length=32",
                                        "train.steps=1", "train.lr_warmup_steps=0", "logging.mode=disabled",
                                        f"train.load={tmp_path / 'ckpt'}"])

@@ -19,13 +19,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """This environment without launcher variables (ranks, master address/port, SLURM): a child
+    process must not join this test process's (or a SLURM job's) rendezvous."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE",
+                                                                     "LOCAL_RANK", "MASTER_"))}
+    env.update(extra)
+    return env
+
+
 def run_train(root: Path, run_id: str, overrides: list[str], nproc: int = 1,
               check: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:
     """``[torchrun --nproc-per-node N] train.py overrides`` with runs under ``root/run_id``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE",
-                                                                     "LOCAL_RANK", "MASTER_"))}
-    env.update(KPOOL_RUN_ROOT=str(root), KPOOL_RUN_ID=run_id, WANDB_SILENT="true",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = subprocess_env(KPOOL_RUN_ROOT=str(root), KPOOL_RUN_ID=run_id, WANDB_SILENT="true",
+                         OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [sys.executable]
     if nproc > 1:
         cmd += ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}",

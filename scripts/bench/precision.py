@@ -32,7 +32,7 @@ def _overrides(args: argparse.Namespace, profile: str) -> list[str]:
     common = [
         f"precision={profile}", f"train.steps={args.steps}", f"train.seed={args.seed}",
         f"precision.drift.interval={args.drift_interval}", "precision.drift.reference=serving",
-        "logging.mode=disabled", "train.resume=none",
+        "logging.mode=disabled", "train.resume=none", "train.save_final=false",
     ]
     if profile != "bf16":
         common.append(f"precision.backend={args.backend}")
