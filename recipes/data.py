@@ -203,9 +203,10 @@ def build_train_dataset(
     ``kind="mock"``: ``MockGPTDataset`` (synthetic documents ending in EOD). ``kind="indexed"``:
     ``GPTDataset`` over ``paths`` (megatron blend list; weights sample the prefixes in
     proportion) split by ``split``. Items are dicts of ``tokens``, ``labels``, ``loss_mask``,
-    ``position_ids`` of length ``seq_length``, plus megatron's ``attention_mask`` [1, s, s]
-    (True = masked) only when ``reset_attention_mask`` is set. Call on every rank (collective
-    when torch.distributed is initialized).
+    ``position_ids`` of length ``seq_length`` (no dense ``attention_mask``: with
+    ``reset_attention_mask`` the loop runs each row as packed THD documents, see
+    :func:`packed_seq_params_from_eod`). Call on every rank (collective when torch.distributed is
+    initialized).
     """
     if data_cfg.kind not in ("mock", "indexed"):
         raise ValueError(f"data.kind must be 'mock' or 'indexed', got {data_cfg.kind!r}")
@@ -223,7 +224,7 @@ def build_train_dataset(
         reset_position_ids=data_cfg.reset_position_ids,
         reset_attention_mask=data_cfg.reset_attention_mask,
         eod_mask_loss=data_cfg.eod_mask_loss,
-        create_attention_mask=data_cfg.reset_attention_mask,
+        create_attention_mask=False,
     )
     dataset_cls = GPTDataset if indexed else MockGPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(

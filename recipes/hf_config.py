@@ -10,7 +10,8 @@ naming the HF key, instead of converting to a different model.
 Facts of the HF reference implementation (transformers 5.24) that are not config keys:
 the indexer applies interleaved rope to its first ``qk_rope_head_dim`` channels (glm_moe_dsa;
 glm5_next's indexer has no rope), scores with ReLU, and normalises its key with a LayerNorm of
-eps 1e-6; glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
+eps 1e-6; neither applies a Hadamard rotation to the index queries and keys (glm5_next pools the
+unrotated keys); glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
     hf = text_config(hf)
     _check_supported(hf)
     layers = int(hf["num_hidden_layers"])
-    dense = int(hf.get("first_k_dense_replace", 0))
     mlp_types = hf.get("mlp_layer_types")
+    # glm5_next has no first_k_dense_replace: its leading dense layers are in mlp_layer_types.
+    dense = hf.get("first_k_dense_replace")
+    dense = int(dense) if dense is not None else list(mlp_types or []).count("dense")
     if mlp_types is not None:
         expected = ["dense"] * dense + ["sparse"] * (layers - dense)
         _require(list(mlp_types) == expected, "mlp_layer_types", mlp_types,
@@ -114,6 +117,9 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         **_index_share(hf, layers),
         "dsa_indexer_rope_interleaved": hf["model_type"] == "glm_moe_dsa",
         "dsa_indexer_scoring_relu": True,
+        # transformers never rotates. The Hadamard leaves kpool = 1 scores unchanged (orthonormal), but
+        # KPool pools per channel, so rotating before pooling would be another model (docs/hf_interop.md).
+        "dsa_indexer_rotate_activation": kpool == 1,
         "dsa_indexer_k_norm_epsilon": INDEXER_K_NORM_EPS,
         "dsa_indexer_kpool": kpool,
         "dsa_indexer_kpool_always_select_tail": bool(hf.get("index_kpool_always_select_tail", False)) and kpool > 1,

@@ -2,10 +2,11 @@
 ``torch_dist`` checkpoint written one tensor at a time.
 
 * :class:`HFReader` - a directory with ``model.safetensors.index.json`` (or one
-  ``model.safetensors``); tensors are read one at a time (memory-mapped files). FP8 e4m3 weights
-  with a ``weight_scale_inv`` companion (128 x 128 blocks) come back dequantized to bf16.
+  ``model.safetensors``); tensors are read one at a time with plain reads
+  (:class:`SafetensorsFile`: a memory map would keep every page read so far resident). FP8 e4m3
+  weights with a ``weight_scale_inv`` companion (128 x 128 blocks) come back dequantized to bf16.
 * :class:`HFWriter` - sharded ``model-0000i-of-0000n.safetensors`` of at most ``shard_bytes``
-  each plus ``model.safetensors.index.json``; holds one shard in memory.
+  each plus ``model.safetensors.index.json``; every tensor goes to disk as it is added.
 * :func:`save_lazy_dist_checkpoint` - writes what ``dist_checkpointing.save`` would write for a
   sharded state dict whose tensors live on the ``meta`` device, asking ``materialize(name)`` for
   each real tensor only when torch DCP writes it (serially, one at a time).
@@ -14,22 +15,25 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import os
+import shutil
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 FP8_BLOCK = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 SCALE_SUFFIX = "_scale_inv"
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16,
                        "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+_SAFETENSORS_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
+_COPY_CHUNK = 64 * 2**20
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -53,20 +57,56 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float8_e4m3fn).contiguous(), scale_inv
 
 
+class SafetensorsFile:
+    """One ``.safetensors`` file read tensor by tensor with plain reads (no memory map, so only the
+    tensor being read is resident): the header (``u64`` length, JSON) is parsed once."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
+        (length,) = struct.unpack("<Q", self._file.read(8))
+        header = json.loads(self._file.read(length))
+        header.pop("__metadata__", None)
+        self._data_start = 8 + length
+        self.entries: dict[str, dict[str, Any]] = header
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The stored dtype of ``name``."""
+        code = self.entries[name]["dtype"]
+        if code not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {code}; supported: {sorted(_SAFETENSORS_DTYPES)}")
+        return _SAFETENSORS_DTYPES[code]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, read into fresh memory."""
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        if raw.numel():
+            # A ctypes view, not .numpy(): that would pin the storage (it must stay resizable).
+            buffer = (ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())
+            self._file.seek(self._data_start + begin)
+            if self._file.readinto(buffer) != end - begin:
+                raise OSError(f"{self.path}: truncated tensor {name!r}")
+        return raw.view(self.dtype(name)).reshape(entry["shape"])
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class HFReader:
     """Tensors of an HF checkpoint directory, read (and FP8-dequantized) one at a time."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
         index = self.dir / "model.safetensors.index.json"
+        self._handles: dict[str, SafetensorsFile] = {}
         if index.is_file():
             self._file_of = json.loads(index.read_text())["weight_map"]
         elif (self.dir / "model.safetensors").is_file():
-            with safe_open(self.dir / "model.safetensors", "pt") as f:
-                self._file_of = {name: "model.safetensors" for name in f.keys()}
+            self._file_of = {name: "model.safetensors" for name in self._open("model.safetensors").entries}
         else:
             raise FileNotFoundError(f"{self.dir}: neither model.safetensors.index.json nor model.safetensors")
-        self._handles: dict[str, Any] = {}
 
     def config(self) -> dict[str, Any]:
         """The checkpoint's ``config.json``."""
@@ -76,69 +116,91 @@ class HFReader:
         """Tensor names, FP8 scales excluded (they belong to their weight)."""
         return {n for n in self._file_of if not n.endswith(SCALE_SUFFIX)}
 
-    def _handle(self, name: str) -> Any:
+    def _open(self, file: str) -> SafetensorsFile:
+        if file not in self._handles:
+            self._handles[file] = SafetensorsFile(self.dir / file)
+        return self._handles[file]
+
+    def _handle(self, name: str) -> SafetensorsFile:
         if name not in self._file_of:
             raise KeyError(f"tensor {name!r} is not in {self.dir}")
-        file = self._file_of[name]
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.dir / file, "pt")
-        return self._handles[file]
+        return self._open(self._file_of[name])
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype :meth:`get` returns for ``name`` (bf16 for FP8 weights)."""
         if name + SCALE_SUFFIX in self._file_of:
             return torch.bfloat16
-        code = self._handle(name).get_slice(name).get_dtype()
-        if code not in _SAFETENSORS_DTYPES:
-            raise ValueError(f"tensor {name!r} has dtype {code}; supported: {sorted(_SAFETENSORS_DTYPES)}")
-        return _SAFETENSORS_DTYPES[code]
+        return self._handle(name).dtype(name)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` (FP8 weights dequantized to bf16)."""
-        tensor = self._handle(name).get_tensor(name)
+        tensor = self._handle(name).get(name)
         scale = name + SCALE_SUFFIX
         if scale in self._file_of:
-            return dequantize_fp8(tensor, self._handle(scale).get_tensor(scale))
+            return dequantize_fp8(tensor, self._handle(scale).get(scale))
         return tensor
 
     def close(self) -> None:
         """Release the open files."""
         for handle in self._handles.values():
-            handle.__exit__(None, None, None)
+            handle.close()
         self._handles.clear()
 
 
 class HFWriter:
-    """Sharded safetensors + ``model.safetensors.index.json``, one shard in memory at a time."""
+    """Sharded safetensors + ``model.safetensors.index.json`` of at most ``shard_bytes`` of tensor
+    data per shard. Every tensor is written to disk when it is added (the shard's data file); closing
+    a shard prepends its header by a chunked copy, so memory holds no tensor beyond the caller's."""
 
     def __init__(self, directory: str | os.PathLike, shard_bytes: int = 5 * 2**30) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.shard_bytes = shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
+        self._entries: dict[str, dict[str, Any]] = {}  # the open shard's header
+        self._data: Any = None  # the open shard's data file
         self._pending_bytes = 0
         self._files: list[list[str]] = []
+        self._written: set[str] = set()
         self._total = 0
 
+    def _data_path(self) -> Path:
+        return self.dir / f"shard-{len(self._files):05d}.data.tmp"
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue ``tensor``; writes the current shard first when it would overflow."""
-        if name in self._pending or any(name in f for f in self._files):
+        """Append ``tensor`` to the open shard, closing it first when it would overflow."""
+        if name in self._written:
             raise KeyError(f"tensor {name!r} written twice")
+        if tensor.dtype not in _SAFETENSORS_CODES:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {sorted(map(str, _SAFETENSORS_CODES))}")
         size = tensor.numel() * tensor.element_size()
-        if self._pending and self._pending_bytes + size > self.shard_bytes:
+        if self._entries and self._pending_bytes + size > self.shard_bytes:
             self._flush()
-        self._pending[name] = tensor.contiguous()
+        if self._data is None:
+            self._data = open(self._data_path(), "wb")  # noqa: SIM115 - closed by _flush()
+        raw = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        self._data.write(memoryview(raw.numpy()))
+        self._entries[name] = {"dtype": _SAFETENSORS_CODES[tensor.dtype], "shape": list(tensor.shape),
+                               "data_offsets": [self._pending_bytes, self._pending_bytes + size]}
+        self._written.add(name)
         self._pending_bytes += size
         self._total += size
 
     def _flush(self) -> None:
-        save_file(self._pending, self.dir / f"shard-{len(self._files):05d}.tmp", metadata={"format": "pt"})
-        self._files.append(list(self._pending))
-        self._pending, self._pending_bytes = {}, 0
+        """Close the open shard: ``shard-i.tmp`` = header (space-padded to 8 bytes) + data."""
+        self._data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self._entries}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        data_path = self._data_path()
+        with open(self.dir / f"shard-{len(self._files):05d}.tmp", "wb") as out, open(data_path, "rb") as data:
+            out.write(struct.pack("<Q", len(header)) + header)
+            shutil.copyfileobj(data, out, _COPY_CHUNK)
+        data_path.unlink()
+        self._files.append(list(self._entries))
+        self._entries, self._data, self._pending_bytes = {}, None, 0
 
     def finish(self) -> list[str]:
-        """Write the last shard, give every shard its final name and write the index."""
-        if self._pending:
+        """Close the last shard, give every shard its final name and write the index."""
+        if self._entries:
             self._flush()
         n = len(self._files)
         weight_map = {}
@@ -216,26 +278,44 @@ def save_lazy_dist_checkpoint(sharded: dict[str, Any], directory: str | os.PathL
     state, _, _ = _replace_state_dict_keys_with_sharded_keys(state, True)
     pyt_state = mcore_to_pyt_state_dict(state, False)
     cache: dict[str, torch.Tensor] = {}
+    written: list[torch.Tensor] = []
 
     class LazyPlanner(MCoreSavePlanner):
-        """Resolves tensor write items by materializing their source tensor (one cached)."""
+        """Resolves tensor write items by materializing their source tensor (one cached).
+
+        torch DCP's writer keeps every tensor it wrote in a dict until the file is closed (one file:
+        the whole model). Each shard is therefore handed over as a tensor of its own (a copy, or the
+        source tensor itself when it is one shard) whose storage is emptied when the next one is
+        asked for: the serial loader (``per_thread_copy_ahead=0``) has written it by then."""
 
         def resolve_data(self, write_item: Any) -> Any:
             if write_item.tensor_data is None:
                 return super().resolve_data(write_item)
+            for done in written:
+                done.untyped_storage().resize_(0)
+            written.clear()
             key, offset = write_item.index.fqn, tuple(write_item.index.offset)
             name, cut = sources[(key, offset)]
             if name not in cache:
                 cache.clear()
                 cache[name] = materialize(name)
-            shard = cut(cache[name], key, offset)
-            return shard.reshape(write_item.tensor_data.chunk.sizes).contiguous()
+            source = cache[name]
+            shard = cut(source, key, offset).reshape(write_item.tensor_data.chunk.sizes)
+            if shard.numel() == source.numel() and source.untyped_storage().resizable():  # no copy
+                cache.clear()
+                shard = shard.contiguous()
+            else:
+                shard = shard.clone()
+            written.append(shard)
+            return shard
 
     Path(directory).mkdir(parents=True, exist_ok=True)
-    dcp.save(pyt_state, storage_writer=dcp.FileSystemWriter(str(directory), thread_count=1),
+    writer = dcp.FileSystemWriter(str(directory), thread_count=1, per_thread_copy_ahead=0)
+    dcp.save(pyt_state, storage_writer=writer,
              planner=LazyPlanner(dedup_replicated_tensors=False, flatten_state_dict=False,
                                  flatten_sharded_tensors=False),
              no_dist=True)
+    cache.clear()
     save_config(CheckpointingConfig("torch_dist", 1), str(directory))
 
 

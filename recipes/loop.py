@@ -136,6 +136,15 @@ def _build(cfg: Any) -> Trainer:
                    t.global_batch_size // (t.micro_batch_size * dp), dp, precision_map)
 
 
+def packed_eod_id(cfg: Any) -> Optional[int]:
+    """The EOD token id when micro batches are packed documents (``data.reset_attention_mask``):
+    each micro batch (one row) then runs as THD with ``cu_seqlens`` split after every EOD, so no
+    query attends or selects keys across documents. ``None`` for plain causal batches."""
+    if not cfg.data.reset_attention_mask:
+        return None
+    return int(data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size).eod)
+
+
 def _batches(cfg: Any, consumed: int) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
     tokenizer = data_lib.build_tokenizer(d, cfg.model.vocab_size)
@@ -158,10 +167,13 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
     return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
 
 
-def _forward_step(device: torch.device, data_iterator: Iterator[dict], model: torch.nn.Module
-                  ) -> tuple[torch.Tensor, Callable]:
-    batch = {k: v.to(device) for k, v in next(data_iterator).items()}
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
+                 model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
+    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``)."""
+    batch = {k: v.to(device) for k, v in next(data_iterator).items() if k != "attention_mask"}
+    packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                   packed_seq_params=packed)
     return output, partial(_loss, batch["loss_mask"])
 
 
@@ -191,6 +203,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
         _print0(f"loaded weights from {t.load}")
     device = distributed.device()
     batches = _batches(cfg, progress.consumed_samples)
+    eod_id = packed_eod_id(cfg)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
                            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)
@@ -212,7 +225,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
             if measure_drift:
                 drift.arm()
             reports = fwd_bwd(
-                forward_step_func=partial(_forward_step, device), data_iterator=batches,
+                forward_step_func=partial(forward_step, device, eod_id), data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False,

@@ -249,7 +249,6 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     keep_checkpoints: int = 2
     dry_run: bool = False
-    deterministic: bool = True
 
 
 class WandbMode(str, Enum):
@@ -268,7 +267,6 @@ class LoggingConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None
     tags: list[str] = field(default_factory=list)
-    progress_bar: bool = False
 
 
 @dataclass
@@ -376,6 +374,9 @@ def validate(cfg: Any, world_size: int) -> None:
         _check_index_share_stages(m.num_layers, pp, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset)
     _require(d.seq_length <= m.max_position_embeddings, "data.seq_length", d.seq_length,
              f"<= model.max_position_embeddings={m.max_position_embeddings}")
+    if d.reset_attention_mask:
+        _require(t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
+                 "1 when data.reset_attention_mask=true (packed documents run as one THD row)")
     if d.kind == DataKind.indexed:
         _require(len(d.paths) > 0, "data.paths", list(d.paths),
                  "a non-empty list of dataset prefixes (optionally weighted) when data.kind=indexed")

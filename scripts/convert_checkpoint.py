@@ -145,9 +145,10 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | No
 
 
 def _hf_group(name: str) -> str:
-    """Export groups: one per HF layer, plus the tensors outside layers."""
+    """Export groups (loaded together): one per HF layer; a tensor outside the layers (embedding,
+    output layer, final norm) is a group of its own."""
     match = re.match(r"model\.layers\.(\d+)\.", name)
-    return match.group(0) if match else "global"
+    return match.group(0) if match else name
 
 
 def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | None = None,

@@ -34,3 +34,12 @@ def test_multirun_over_kpool_summarises_and_fails_the_invalid_job(tmp_path: Path
     (job2,) = [p for p in sweep.iterdir() if "model.dsa_indexer_kpool=2" in p.name]
     assert (job2 / "metrics.jsonl").is_file()
     assert out.returncode != 0  # Hydra's basic sweeper re-raises the failed job's error
+
+
+def test_packed_documents_train_as_thd(tmp_path: Path) -> None:
+    """``data.reset_attention_mask=true``: each micro batch runs as packed THD documents."""
+    run_train(tmp_path, "packed", FAST + ["data.reset_attention_mask=true", "data.reset_position_ids=true",
+                                          "train.micro_batch_size=1", "train.global_batch_size=2",
+                                          "model.dsa_indexer_kpool=2", "train.steps=6"])
+    rows = metrics(tmp_path / "packed")
+    assert len(rows) == 6 and rows[-1]["loss"] < rows[0]["loss"]

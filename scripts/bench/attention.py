@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -38,6 +36,7 @@ from typing import Any, Optional
 import torch
 
 from kpool_layers import _cpu
+from timing import OOM, init_single_rank, measure
 
 
 @dataclass(frozen=True)
@@ -58,19 +57,6 @@ GLM5 = Shape(hidden=6144, q_lora=2048, index_heads=32, index_dim=128, topk=2048,
 SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=8, heads=4,
               kv_lora=24, chunk=64)
 STAGES = ("topk", "attn", "total")
-_OOM = {"ms": None, "peak_mib": None, "oom": True}
-
-
-def _init_parallel_state() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29519")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def _config(shape: Shape, dtype: torch.dtype):  # noqa: ANN202 (GLMTransformerConfig)
@@ -85,30 +71,6 @@ def _config(shape: Shape, dtype: torch.dtype):  # noqa: ANN202 (GLMTransformerCo
         params_dtype=dtype, bf16=dtype == torch.bfloat16, add_bias_linear=False,
         use_cpu_initialization=not torch.cuda.is_available(),
     )
-
-
-def _measure(step: Callable[[], Any], repeats: int, cuda: bool) -> dict[str, Any]:
-    """Median ms of ``step`` after one warm-up and its extra peak memory in MiB (GPU only)."""
-    try:
-        step()
-        times, peak = [], None
-        for _ in range(repeats):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            times.append(time.perf_counter() - start)
-        return {"ms": 1e3 * statistics.median(times), "peak_mib": peak, "oom": False}
-    except torch.OutOfMemoryError:
-        return dict(_OOM)
-    finally:
-        if cuda:
-            torch.cuda.empty_cache()
 
 
 def _attention_inputs(shape: Shape, s: int, device: torch.device, dtype: torch.dtype
@@ -163,12 +125,12 @@ def bench_length(shape: Shape, s: int, repeats: int, device: torch.device,
     try:
         indices = our_topk()
     except torch.OutOfMemoryError:
-        result["ours"] = {stage: _OOM for stage in STAGES}
+        result["ours"] = {stage: OOM for stage in STAGES}
         return result
     ours = result["ours"]
-    ours["topk"] = _measure(our_topk, repeats, cuda)
-    ours["attn"] = _measure(lambda: our_attn(indices), repeats, cuda)
-    ours["total"] = _measure(lambda: our_attn(our_topk()), repeats, cuda)
+    ours["topk"] = measure(our_topk, repeats, cuda)
+    ours["attn"] = measure(lambda: our_attn(indices), repeats, cuda)
+    ours["total"] = measure(lambda: our_attn(our_topk()), repeats, cuda)
 
     index_q = torch.randn(s, 1, shape.index_heads, shape.index_dim, device=device, dtype=dtype)
     index_k = torch.randn(s, 1, shape.index_dim, device=device, dtype=dtype)
@@ -177,7 +139,7 @@ def bench_length(shape: Shape, s: int, repeats: int, device: torch.device,
     try:
         mask = torch.triu(torch.full((s, s), float("-inf"), device=device), diagonal=1)
     except torch.OutOfMemoryError:
-        result["megatron"] = {stage: _OOM for stage in STAGES}
+        result["megatron"] = {stage: OOM for stage in STAGES}
         return result
 
     def their_topk() -> torch.Tensor:
@@ -190,9 +152,9 @@ def bench_length(shape: Shape, s: int, repeats: int, device: torch.device,
         _backward(out, grad, query, key)
         return out.detach()
 
-    theirs["topk"] = _measure(their_topk, repeats, cuda)
-    theirs["attn"] = _measure(lambda: their_attn(indices), repeats, cuda)
-    theirs["total"] = _measure(lambda: their_attn(their_topk()), repeats, cuda)
+    theirs["topk"] = measure(their_topk, repeats, cuda)
+    theirs["attn"] = measure(lambda: their_attn(indices), repeats, cuda)
+    theirs["total"] = measure(lambda: their_attn(their_topk()), repeats, cuda)
     if not theirs["attn"]["oom"]:
         try:
             diff = (our_attn(indices).float() - their_attn(indices).float()).abs().max()
@@ -251,7 +213,7 @@ def main() -> None:
     args = parser.parse_args()
 
     _cpu.install()
-    _init_parallel_state()
+    init_single_rank(29519)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

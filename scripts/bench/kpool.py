@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from kpool_layers import _cpu
+from timing import init_single_rank, measure
 
 
 @dataclass(frozen=True)
@@ -48,17 +47,6 @@ GLM5 = Shape(hidden=6144, q_lora=2048, index_heads=32, index_dim=128, topk=2048,
              main_heads=64, main_dim=576, chunk=1024)
 SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=4,
               main_heads=4, main_dim=24, chunk=64)
-
-
-def _init_parallel_state() -> None:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
 def _config(shape: Shape, kpool: int, dtype: torch.dtype):
@@ -89,30 +77,6 @@ def _rotary(s: int, dim: int, device: torch.device, dtype: torch.dtype) -> Calla
     return apply
 
 
-def _measure(step: Callable[[], None], repeats: int, cuda: bool) -> dict[str, Optional[float]]:
-    """Median seconds of ``step`` after one warm-up, and its extra peak memory in MiB (GPU)."""
-    try:
-        step()
-        times, peak = [], None
-        for _ in range(repeats):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-            start = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize()
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-            times.append(time.perf_counter() - start)
-        return {"ms": 1e3 * statistics.median(times), "peak_mib": peak, "oom": False}
-    except torch.OutOfMemoryError:
-        return {"ms": None, "peak_mib": None, "oom": True}
-    finally:
-        if cuda:
-            torch.cuda.empty_cache()
-
-
 def bench_indexer(shape: Shape, s: int, kpool: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
     from kpool_layers.indexer import DSAIndexer
     from kpool_layers.indexer_loss import indexer_kl_loss
@@ -135,7 +99,7 @@ def bench_indexer(shape: Shape, s: int, kpool: int, repeats: int, device: torch.
         indexer_kl_loss(indexer, out, main_q, main_k, shape.main_dim**-0.5, sparse=True).backward()
         indexer.zero_grad(set_to_none=True)
 
-    return {"s": s, "kpool": kpool, "topk": _measure(topk, repeats, cuda), "fwd_bwd": _measure(fwd_bwd, repeats, cuda)}
+    return {"s": s, "kpool": kpool, "topk": measure(topk, repeats, cuda), "fwd_bwd": measure(fwd_bwd, repeats, cuda)}
 
 
 def bench_megatron_naive(shape: Shape, s: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -153,7 +117,7 @@ def bench_megatron_naive(shape: Shape, s: int, repeats: int, device: torch.devic
         with torch.no_grad():
             fused_qk_topk_naive(q, k, w, shape.topk, mask=mask, use_relu=True)
 
-    result = {"s": s, "topk": _measure(topk, repeats, device.type == "cuda")}
+    result = {"s": s, "topk": measure(topk, repeats, device.type == "cuda")}
     del mask
     return result
 
@@ -200,7 +164,7 @@ def main() -> None:
     args = parser.parse_args()
 
     _cpu.install()
-    _init_parallel_state()
+    init_single_rank(29517)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -46,7 +46,8 @@ def main() -> None:
         start = time.perf_counter()
         trainer.model.zero_grad_buffer()
         trainer.optimizer.zero_grad()
-        fwd_bwd(forward_step_func=partial(loop._forward_step, device), data_iterator=batches,
+        fwd_bwd(forward_step_func=partial(loop.forward_step, device, loop.packed_eod_id(cfg)),
+                data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=cfg.train.micro_batch_size,
                 forward_only=False)
