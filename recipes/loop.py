@@ -231,7 +231,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
                 forward_only=False,
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
-            ok, grad_norm, _ = trainer.optimizer.step()
+            _, grad_norm, _ = trainer.optimizer.step()
             trainer.scheduler.step(increment=t.global_batch_size)
             loss = _reduce_loss(reports)
             progress.step += 1

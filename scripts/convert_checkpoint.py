@@ -8,7 +8,7 @@
 train.load=CKPT`` (weights only). Without ``--model`` the ``model`` group is derived from the HF
 ``config.json`` and printed; it is also saved as ``CKPT/model.yaml``, which ``export`` reads when
 ``--model`` is not given. Both directions stream: one tensor (import) or one HF layer (export) is
-in memory at a time. See docs/hf_interop.md.
+in memory at a time; tensors are written to disk as they come. See docs/hf_interop.md.
 """
 
 from __future__ import annotations
@@ -151,11 +151,36 @@ def _hf_group(name: str) -> str:
     return match.group(0) if match else name
 
 
-def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | None = None,
-              fp8: bool = False, shard_bytes: int = 5 * 2**30) -> None:
-    """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json)."""
+def _export_group(writer: HFWriter, ckpt: str | os.PathLike, maps: list[TensorMap], sharded: dict[str, Any],
+                  shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+                  aliases_of: dict[str, list[str]], fp8: bool, dtype_counts: dict[torch.dtype, int]) -> None:
+    """Load the megatron tensors of ``maps`` from the dist checkpoint and write their HF tensors
+    (and aliases); each is released once written, and nothing outlives the call."""
     from megatron.core import dist_checkpointing
 
+    request = {}
+    for m in maps:
+        entry = sharded[m.megatron]
+        request[m.megatron] = _with_data(entry, torch.empty(entry.data.shape, dtype=dtypes[entry.key]))
+    loaded = dist_checkpointing.load({"model": request}, str(ckpt))["model"]
+    request.clear()
+    for m in maps:
+        megatron = loaded.pop(m.megatron).reshape(shapes[m.megatron])
+        for hf_name, tensor in zip(m.hf, m.conversion.to_hf(megatron), strict=True):
+            dtype_counts[tensor.dtype] = dtype_counts.get(tensor.dtype, 0) + tensor.numel()
+            for name in [hf_name, *aliases_of.get(hf_name, [])]:
+                if fp8 and tensor.dim() == 2 and FP8_WEIGHTS.search(name):
+                    q, scale_inv = quantize_fp8(tensor)
+                    writer.add(name, q)
+                    writer.add(name[: -len("weight")] + "weight_scale_inv", scale_inv)
+                else:
+                    writer.add(name, tensor)
+
+
+def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | None = None,
+              fp8: bool = False, shard_bytes: int = 5 * 2**30) -> None:
+    """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json), one
+    group (:func:`_hf_group`) in memory at a time."""
     yaml = Path(ckpt) / MODEL_YAML
     model_cfg = model_group(model if model is not None else (str(yaml) if yaml.is_file() else None))
     mapping = build_mapping(model_cfg)
@@ -172,21 +197,7 @@ def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | N
     writer = HFWriter(hf_out, shard_bytes)
     dtype_counts: dict[torch.dtype, int] = {}
     for maps in groups.values():
-        request = {}
-        for m in maps:
-            entry = sharded[m.megatron]
-            request[m.megatron] = _with_data(entry, torch.empty(entry.data.shape, dtype=dtypes[entry.key]))
-        loaded = dist_checkpointing.load({"model": request}, str(ckpt))["model"]
-        for m in maps:
-            for hf_name, tensor in zip(m.hf, m.conversion.to_hf(loaded[m.megatron].reshape(shapes[m.megatron])), strict=True):
-                dtype_counts[tensor.dtype] = dtype_counts.get(tensor.dtype, 0) + tensor.numel()
-                for name in [hf_name, *aliases_of.get(hf_name, [])]:
-                    if fp8 and tensor.dim() == 2 and FP8_WEIGHTS.search(name):
-                        q, scale_inv = quantize_fp8(tensor)
-                        writer.add(name, q)
-                        writer.add(name[: -len("weight")] + "weight_scale_inv", scale_inv)
-                    else:
-                        writer.add(name, tensor)
+        _export_group(writer, ckpt, maps, sharded, shapes, dtypes, aliases_of, fp8, dtype_counts)
     writer.finish()
     main_dtype = max(dtype_counts, key=dtype_counts.get)
     config = hf_config_from_model(model_cfg, str(main_dtype).removeprefix("torch."))
