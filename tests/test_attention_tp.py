@@ -1,5 +1,6 @@
 """GLMSparseMLA at TP = 2 (with and without sequence parallelism, BSHD and packed THD, indexer loss
-on) equals TP = 1: output, input gradient and every parameter gradient. Two gloo processes."""
+on, plain DSA and KPool with the tail) equals TP = 1: output, input gradient, every parameter
+gradient, and both TP ranks select exactly TP = 1's top-k indices. Two gloo processes."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ import torch.multiprocessing as mp
 
 from tests.conftest import free_port
 
-CASES = [  # (sequence_parallel, packed THD boundaries, sparse indexer loss)
-    (False, None, False),
-    (True, None, True),
-    (True, [0, 5, 9, 16], False),
-    (False, [0, 11, 16], True),
+CASES = [  # (sequence_parallel, packed THD boundaries, sparse indexer loss, kpool)
+    (False, None, False, 1),
+    (True, None, True, 1),
+    (True, [0, 5, 9, 16], False, 1),
+    (False, [0, 11, 16], True, 1),
+    (True, None, True, 4),
+    (False, [0, 5, 9, 16], False, 2),
 ]
 
 
-def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch.Tensor,
-         weight: torch.Tensor, reference: Optional[torch.nn.Module] = None):
+def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: int,
+         x: torch.Tensor, weight: torch.Tensor, reference: Optional[torch.nn.Module] = None):
     """Build the layer at TP = ``tp`` (weights copied from ``reference`` when given), run forward
-    and backward; returns (module, full output, full input grad, logged indexer losses)."""
+    and backward; returns (module, full output, full input grad, logged indexer losses, the
+    indexer's top-k indices)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -36,7 +40,8 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch
     model_parallel_cuda_manual_seed(1234)
     cfg = tiny_config(tensor_model_parallel_size=tp, sequence_parallel=sp,
                       dsa_indexer_loss_coeff=0.7, dsa_indexer_use_sparse_loss=sparse_loss,
-                      init_method_std=0.3)
+                      init_method_std=0.3, dsa_indexer_kpool=kpool,
+                      dsa_indexer_kpool_always_select_tail=kpool > 1)
     torch.manual_seed(0)
     module = build(cfg)
     rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
@@ -47,10 +52,14 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch
     x_in = x.detach().chunk(tp)[rank] if sp else x.detach()
     x_in.requires_grad_()
     packed = thd(cu) if cu is not None else None
+    selected: list[torch.Tensor] = []
+    module.indexer.register_forward_hook(lambda _m, _i, o: selected.append(o.topk_indices))
     out, _ = module(x_in, None, packed_seq_params=packed)
     w_in = weight.chunk(tp)[rank] if sp else weight
     (out * w_in).sum().backward()
     for param in module.parameters():  # what megatron's finalize_model_grads does over TP
+        if param.grad is None:  # frozen (the KPool ape)
+            continue
         if sp and getattr(param, "sequence_parallel", False):
             dist.all_reduce(param.grad, group=group)
         if getattr(param, "average_gradients_across_tp_domain", False):
@@ -60,7 +69,7 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, x: torch
         out, grad_x = (_gather_sequence(t, tp, group) for t in (out.detach(), x_in.grad))
     else:
         grad_x = x_in.grad
-    return module, out.detach(), grad_x, collect_indexer_losses(module)
+    return module, out.detach(), grad_x, collect_indexer_losses(module), selected[0]
 
 
 def _shard(full: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
@@ -83,20 +92,26 @@ def _worker(rank: int, port: int) -> None:
     _cpu.install()
     dist.init_process_group("gloo", rank=rank, world_size=2)
     tight = dict(rtol=1e-5, atol=1e-6)
-    for sp, cu, sparse_loss in CASES:
-        case = f"sp={sp} thd={cu} sparse_loss={sparse_loss}"
+    for sp, cu, sparse_loss, kpool in CASES:
+        case = f"sp={sp} thd={cu} sparse_loss={sparse_loss} kpool={kpool}"
         b = 1 if cu is not None else 2
         gen = torch.Generator().manual_seed(7)
         x = torch.randn(16, b, 32, generator=gen)
         weight = torch.randn(16, b, 32, generator=gen)
-        ref, ref_out, ref_gx, ref_losses = _run(False, 1, cu, sparse_loss, x, weight)
-        mod, out, gx, losses = _run(sp, 2, cu, sparse_loss, x, weight, reference=ref)
+        ref, ref_out, ref_gx, ref_losses, ref_idx = _run(False, 1, cu, sparse_loss, kpool, x, weight)
+        mod, out, gx, losses, idx = _run(sp, 2, cu, sparse_loss, kpool, x, weight, reference=ref)
+        ranks_idx = [torch.empty_like(idx) for _ in range(2)]
+        dist.all_gather(ranks_idx, idx)
+        assert all(torch.equal(r, ref_idx) for r in ranks_idx), f"{case}: top-k differs across TP"
         torch.testing.assert_close(out, ref_out, **tight, msg=lambda m: f"{case} output: {m}")
         torch.testing.assert_close(gx, ref_gx, **tight, msg=lambda m: f"{case} input grad: {m}")
         assert losses.keys() == ref_losses.keys() == {""}, case
         assert losses[""] == pytest.approx(ref_losses[""], rel=1e-5), (case, losses, ref_losses)
         tp_rank = dist.get_rank()
         for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
+            if ref_param.grad is None:
+                assert param.grad is None and not param.requires_grad, f"{case} {name}"
+                continue
             want = _shard(ref_param.grad, param, tp_rank, 2)
             torch.testing.assert_close(param.grad, want, **tight,
                                        msg=lambda m, n=name: f"{case} grad {n}: {m}")
