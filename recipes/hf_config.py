@@ -11,7 +11,8 @@ Facts of the HF reference implementation (transformers 5.24) that are not config
 the indexer applies interleaved rope to its first ``qk_rope_head_dim`` channels (glm_moe_dsa;
 glm5_next's indexer has no rope), scores with ReLU, and normalises its key with a LayerNorm of
 eps 1e-6; neither applies a Hadamard rotation to the index queries and keys (glm5_next pools the
-unrotated keys); glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
+unrotated keys); glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the
+router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
   weights with a ``weight_scale_inv`` companion (128 x 128 blocks) come back dequantized to bf16.
 * :class:`HFWriter` - sharded ``model-0000i-of-0000n.safetensors`` of at most ``shard_bytes``
   each plus ``model.safetensors.index.json``; every tensor goes to disk as it is added.
+* :func:`mmap_large_allocations` - glibc setting so that freed tensors go back to the OS.
 * :func:`save_lazy_dist_checkpoint` - writes what ``dist_checkpointing.save`` would write for a
   sharded state dict whose tensors live on the ``meta`` device, asking ``materialize(name)`` for
   each real tensor only when torch DCP writes it (serially, one at a time).
@@ -34,6 +35,21 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch
                        "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
 _SAFETENSORS_CODES = {dtype: code for code, dtype in _SAFETENSORS_DTYPES.items()}
 _COPY_CHUNK = 64 * 2**20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def mmap_large_allocations(threshold: int = 2**20) -> None:
+    """Make glibc serve every allocation of ``threshold`` bytes or more with its own memory map,
+    which goes back to the OS when freed (a no-op without glibc). Conversion calls it at start.
+
+    Otherwise glibc raises its mmap threshold to the size of the first freed mapped block (up to
+    32 MiB). Tensors of a few MiB then come from the heap, where long-lived small objects keep
+    the freed space from being returned, and RSS grows with the number of tensors converted."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -171,7 +187,8 @@ class HFWriter:
         if name in self._written:
             raise KeyError(f"tensor {name!r} written twice")
         if tensor.dtype not in _SAFETENSORS_CODES:
-            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {sorted(map(str, _SAFETENSORS_CODES))}")
+            supported = sorted(map(str, _SAFETENSORS_CODES))
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; supported: {supported}")
         size = tensor.numel() * tensor.element_size()
         if self._entries and self._pending_bytes + size > self.shard_bytes:
             self._flush()

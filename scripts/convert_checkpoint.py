@@ -31,7 +31,14 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from kpool_layers import _cpu  # noqa: E402
 from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
-from recipes.hf_io import HFReader, HFWriter, quantize_fp8, save_lazy_dist_checkpoint, stored_dtypes  # noqa: E402
+from recipes.hf_io import (  # noqa: E402
+    HFReader,
+    HFWriter,
+    mmap_large_allocations,
+    quantize_fp8,
+    save_lazy_dist_checkpoint,
+    stored_dtypes,
+)
 from recipes.hf_mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
 from recipes.schema import Config, ModelConfig  # noqa: E402
 
@@ -221,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--fp8", action="store_true", help="write block-FP8 (e4m3, 128x128 weight_scale_inv)")
     exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
     args = parser.parse_args(argv)
+    mmap_large_allocations()
     if args.command == "import":
         import_hf(args.hf, args.out, args.model)
     else:

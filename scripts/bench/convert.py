@@ -4,7 +4,7 @@
 
 Writes random bf16 tensors for every HF tensor of ``--model`` (names and shapes from the mapping,
 one tensor in memory at a time), then runs ``import`` and ``export`` each in a fresh process and
-reports wall time and peak RSS (``ru_maxrss``) of each against the checkpoint size.
+reports wall time and peak RSS (``VmHWM``) of each against the checkpoint size.
 """
 
 from __future__ import annotations
@@ -50,10 +50,13 @@ def write_synthetic(model: str, directory: Path) -> int:
 
 
 def run(args: list[str]) -> dict[str, float]:
-    """Wall seconds and peak RSS (GiB) of ``convert_checkpoint.py args`` in a child process."""
+    """Wall seconds and peak RSS (GiB) of ``convert_checkpoint.py args`` in a child process.
+
+    The peak is the child's ``VmHWM`` (Linux): ``ru_maxrss`` would not do, as Linux keeps across
+    ``exec`` the RSS the forked child inherited from this process (the synthetic writer's)."""
     script = str(ROOT / "scripts" / "convert_checkpoint.py")
-    child = ("import resource, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
-             "print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    child = ("import re, runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
+             "print('PEAK_RSS_KIB', re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1))")
     start = time.perf_counter()
     env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # ours is taken by this process
     proc = subprocess.run([sys.executable, "-c", child, script, *args], check=True, cwd=ROOT,
