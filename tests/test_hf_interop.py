@@ -196,7 +196,7 @@ def test_hf_config_round_trip_and_unsupported_keys() -> None:
 
 @pytest.mark.dist
 def test_train_loads_the_import(tmp_path: Path) -> None:
-    from tests.train_runner import run_train, subprocess_env
+    from tests.train_runner import metrics, run_train, subprocess_env
 
     hf_dir = save_tiny(tmp_path / "hf", index_n_heads=4)  # exactly glm5_tiny's shapes
     import subprocess
@@ -206,7 +206,12 @@ def test_train_loads_the_import(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(root / "scripts" / "convert_checkpoint.py"), "import", "--hf", str(hf_dir),
                     "--model", "glm5_tiny", "--out", str(tmp_path / "ckpt")], check=True, cwd=root,
                    env=subprocess_env())
-    out = run_train(tmp_path, "load", ["model=glm5_tiny", "precision=fp32", "data.seq_length=32",
-                                       "train.steps=1", "train.lr_warmup_steps=0", "logging.mode=disabled",
-                                       f"train.load={tmp_path / 'ckpt'}"])
+    common = ["model=glm5_tiny", "precision=fp32", "data.seq_length=32", "train.steps=1",
+              "train.lr_warmup_steps=0", "logging.mode=disabled", "train.save_final=false",
+              "train.micro_batch_size=2", "train.global_batch_size=2", f"train.load={tmp_path / 'ckpt'}"]
+    out = run_train(tmp_path, "load", common)
     assert "loaded weights from" in out.stdout
+    # The import holds full tensors; dist_checkpointing reshards it for TP = 2 on load.
+    run_train(tmp_path, "load_tp2", common + ["parallelism=tp2"], nproc=2)
+    tp1, tp2 = (metrics(tmp_path / run)[0]["loss"] for run in ("load", "load_tp2"))
+    assert abs(tp1 - tp2) < 1e-5, (tp1, tp2)
