@@ -51,7 +51,6 @@ class Trainer:
     scheduler: OptimizerParamScheduler
     tcfg: GLMTransformerConfig
     num_microbatches: int
-    dp_size: int
     precision_map: list[dict[str, Any]]
 
 
@@ -133,7 +132,7 @@ def _build(cfg: Any) -> Trainer:
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.no_sync_func = ddp.no_sync
     return Trainer(ddp, optimizer, scheduler, tcfg,
-                   t.global_batch_size // (t.micro_batch_size * dp), dp, precision_map)
+                   t.global_batch_size // (t.micro_batch_size * dp), precision_map)
 
 
 def packed_eod_id(cfg: Any) -> Optional[int]:

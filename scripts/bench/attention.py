@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
