@@ -139,7 +139,7 @@ def quantize(
     tiles = _tiled(x2.float(), tile)
     scale = compute_scale(tiles.abs().amax(dim=(1, 3)), scale_format)
     q = cast_e4m3(tiles, scale[:, None, :, None])
-    q = q.view(tiles.shape[0] * tile[0], -1)[: x2.shape[0], :k]
+    q = q.view(tiles.shape[0] * tile[0], tiles.shape[2] * tile[1])[: x2.shape[0], :k]
     return q.reshape(x.shape), scale
 
 
@@ -149,7 +149,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, recipe: Recipe, operand: Op
     q2 = q.reshape(-1, k)
     tile = _tile_shape(recipe, operand, q2.shape[0], k)
     tiles = _tiled(q2.float(), tile) * scale[:, None, :, None]
-    return tiles.view(tiles.shape[0] * tile[0], -1)[: q2.shape[0], :k].reshape(q.shape)
+    return tiles.view(tiles.shape[0] * tile[0], tiles.shape[2] * tile[1])[: q2.shape[0], :k].reshape(q.shape)
 
 
 def emulate(

@@ -194,9 +194,18 @@ def resolve_backend(backend: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
-    pad = -t.shape[0] % multiple
-    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """``t [R, C]`` padded at the end to ``[rows, cols]`` with ``value`` (no copy if no padding)."""
+    pad_r, pad_c = rows - t.shape[0], cols - t.shape[1]
+    if not (pad_r or pad_c):
+        return t
+    if t.dtype == torch.float8_e4m3fn:  # F.pad has no FP8 kernel: pad the bytes (0x00 is +0.0)
+        return _pad_to(t.view(torch.uint8), rows, cols).view(torch.float8_e4m3fn)
+    return torch.nn.functional.pad(t, (0, pad_c, 0, pad_r), value=value)
+
+
+def _ceil(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 def _scaled_mm(
@@ -206,36 +215,37 @@ def _scaled_mm(
     ``wq [N, K]`` e4m3 (weight scales) -> BF16 ``[M, N]``, FP32 accumulation.
 
     ``torch._scaled_mm`` wants ``mat2`` column-major (``wq.t()`` of a row-major weight is) and
-    K, N divisible by 16. Blockwise goes through ``F.scaled_mm`` with BlockWise1x128 /
-    BlockWise128x128: the 1x128 scales ``[M, K/128]`` column-major, the 128x128 scales
-    ``[ceil4(K/128), N/128]`` column-major with K blocks padded to a multiple of 4 (the layout of
-    torch's own OpInfo samples for these recipes). Rows are zero-padded (16, 128 for blockwise)."""
+    M, K, N multiples of 16; ``F.scaled_mm``'s BlockWise1x128 / BlockWise128x128 want multiples of
+    128. Operands are zero-padded up to those multiples (GLM-5's ``mla.kv_down`` has N = 576, the
+    indexer weights N = 32) and the output sliced back: padded K columns are zero in both operands,
+    so they add nothing; padded rows / columns are dropped. The quantization tiles are unchanged
+    (:func:`fp8.quantize` already scales partial edge tiles by their own amax), so the result equals
+    the emulate backend's up to FP32 accumulation order. Scale layouts: 1x128 scales
+    ``[M, K/128]`` column-major, 128x128 scales ``[ceil4(K/128), N/128]`` column-major with the K
+    blocks padded to a multiple of 4 (the layout of torch's own OpInfo samples for these recipes)."""
     m, k = xq.shape
     n = wq.shape[0]
-    if k % 16 or n % 16 or (recipe == "blockwise" and (k % fp8.BLOCK or n % fp8.BLOCK)):
-        raise ValueError(
-            f"precision.backend='torch' needs K, N divisible by 16 (by 128 for blockwise); got "
-            f"K={k}, N={n} under recipe {recipe!r}; use precision.backend='emulate' for this layer"
-        )
-    xq, mat_b = xq.contiguous(), wq.contiguous().t()  # row-major A, column-major B
+    if m == 0:  # e.g. an MoE expert that received no tokens
+        return xq.new_zeros((0, n), dtype=torch.bfloat16)
+    align = fp8.BLOCK if recipe == "blockwise" else 16
+    mp, kp, np_ = _ceil(m, align), _ceil(k, align), _ceil(n, align)
+    a = _pad_to(xq.contiguous(), mp, kp)
+    mat_b = _pad_to(wq.contiguous(), np_, kp).t()  # column-major B [Kp, Np]
     if recipe == "tensorwise":
-        a = _pad_rows(xq, 16)
         out = torch._scaled_mm(a, mat_b, xs.reshape(()), ws.reshape(()), out_dtype=torch.bfloat16)
     elif recipe == "rowwise":
-        a, sa = _pad_rows(xq, 16), _pad_rows(xs, 16)
-        out = torch._scaled_mm(a, mat_b, sa, ws.reshape(1, n).contiguous(), out_dtype=torch.bfloat16)
+        sa = _pad_to(xs.reshape(m, 1), mp, 1, value=1.0)
+        sb = _pad_to(ws.reshape(n, 1), np_, 1, value=1.0).reshape(1, np_).contiguous()
+        out = torch._scaled_mm(a, mat_b, sa, sb, out_dtype=torch.bfloat16)
     else:
         F = torch.nn.functional
-        a, sa = _pad_rows(xq, fp8.BLOCK), _pad_rows(xs, fp8.BLOCK)
-        sa = sa.t().contiguous().t()  # [M, K/128] column-major
-        kb = ws.shape[1]
-        sb = ws.new_zeros(ws.shape[0], -(-kb // 4) * 4)
-        sb[:, :kb] = ws
+        sa = _pad_to(xs, mp, kp // fp8.BLOCK, value=1.0).t().contiguous().t()  # [Mp, Kp/128] col-major
+        sb = _pad_to(ws, np_ // fp8.BLOCK, _ceil(kp // fp8.BLOCK, 4), value=1.0)
         out = F.scaled_mm(
             a, mat_b, sa, F.ScalingType.BlockWise1x128, sb.t(), F.ScalingType.BlockWise128x128,
             output_dtype=torch.bfloat16,
         )
-    return out[:m]
+    return out[:m, :n]
 
 
 class _QuantizedMatmul(torch.autograd.Function):

@@ -47,6 +47,8 @@ from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
 from megatron.core.tokenizers.text.models import GPTTokenizer
 from tokenizers import Tokenizer
 
+from recipes.schema import ConfigError
+
 # Tried in order when the tokenizer directory has no tokenizer_config.json naming an eos_token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
@@ -158,9 +160,17 @@ def load_hf_tokenizer(path: str) -> LocalHFTokenizer:
 
 def build_tokenizer(data_cfg: DataConfig, vocab_size: int) -> MegatronTokenizerBase:
     """The tokenizer ``data_cfg`` names, or for ``kind="mock"`` without one megatron's null
-    tokenizer of ``vocab_size`` ids (EOD = ``vocab_size - 1``)."""
+    tokenizer of ``vocab_size`` ids (EOD = ``vocab_size - 1``). A named tokenizer with more ids
+    than the model's embedding is a :class:`ConfigError`."""
     if data_cfg.tokenizer is not None:
-        return load_hf_tokenizer(data_cfg.tokenizer)
+        tokenizer = load_hf_tokenizer(data_cfg.tokenizer)
+        if tokenizer.vocab_size > vocab_size:
+            raise ConfigError(
+                "data.tokenizer", data_cfg.tokenizer,
+                f"a tokenizer of at most model.vocab_size={vocab_size} ids (this one has "
+                f"{tokenizer.vocab_size}); or raise model.vocab_size",
+            )
+        return tokenizer
     if data_cfg.kind != "mock":
         raise ValueError(f"data.kind={data_cfg.kind!r} needs data.tokenizer")
     return MegatronTokenizer.from_pretrained(

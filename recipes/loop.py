@@ -71,6 +71,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
     planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
         validate(cfg, planned if cfg.train.dry_run else topo.world_size)
+        data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # a bad tokenizer fails here, not in the model
     except ValueError as err:
         if topo.rank == 0:
             write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],

@@ -178,21 +178,6 @@ def precision_rows(model: torch.nn.Module, policy: PrecisionPolicy, backend: str
     return rows
 
 
-def check_torch_backend_shapes(rows: list[dict[str, Any]], model: torch.nn.Module, recipe: str) -> None:
-    """``torch`` backend: FP8 GEMMs need K, N divisible by 16 (128 for blockwise); raise naming
-    every quantized linear that is not, before training starts."""
-    multiple = 128 if recipe == "blockwise" else 16
-    modules = {_strip(n): m for n, m in model.named_modules()}
-    bad = [f"{r['module']} {tuple(modules[r['module']].weight.shape)}" for r in rows
-           if r["quantized"] and any(d % multiple for d in modules[r["module"]].weight.shape)]
-    if bad:
-        raise ValueError(
-            f"precision.backend=torch with precision.recipe={recipe} needs weight dims divisible by "
-            f"{multiple}; not: {', '.join(bad[:6])}{' ...' if len(bad) > 6 else ''} ({len(bad)} linears); "
-            "allowed: precision.backend=emulate, or keep these roles unquantized"
-        )
-
-
 def setup_precision(precision_cfg: Any, model: torch.nn.Module) -> list[dict[str, Any]]:
     """Apply ``precision_cfg`` to a built (dtype-cast) model: route every routable linear through
     the policy, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized scoring when
@@ -201,8 +186,6 @@ def setup_precision(precision_cfg: Any, model: torch.nn.Module) -> list[dict[str
     policy = policy_from_config(precision_cfg)
     backend = resolve_backend(policy)
     routed = dataclasses.replace(policy, backend=backend) if policy.fp8 else policy
-    if backend == "torch":
-        check_torch_backend_shapes(precision_rows(model, policy, backend), model, policy.recipe)
     apply_precision(model, routed, _routing_role_of(model))
     quant = policy.scale_format if policy.dsa_indexer_kpool_use_quantization else None
     for module in model.modules():

@@ -25,6 +25,7 @@ from recipes.data import (
     load_hf_tokenizer,
     packed_seq_params_from_eod,
 )
+from recipes.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"
@@ -174,7 +175,7 @@ def test_indexed_dataset_tokens_decode_to_corpus_text(corpus, tmp_path):
     cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], split="1,0,0",
                tokenizer=str(corpus.tok_dir), reset_position_ids=True, reset_attention_mask=True,
                eod_mask_loss=True, cache_dir=str(tmp_path / "cache"))
-    tok = build_tokenizer(cfg, vocab_size=0)
+    tok = build_tokenizer(cfg, vocab_size=300)
     ds = build_train_dataset(cfg, tokenizer=tok, seq_length=32, num_samples=20, seed=3)
     assert len(ds) >= 20
     batch = next(ResumableBatchIterator(ds, micro_batch_size=2, dp_rank=0, dp_size=1))
@@ -192,7 +193,7 @@ def test_blended_paths_follow_weights(corpus, tmp_path):
     cfg = _cfg(kind="indexed", split="1,0,0", tokenizer=str(corpus.tok_dir / "tokenizer.json"),
                paths=["0.7", corpus.prefixes["alpha"], "0.3", corpus.prefixes["beta"]],
                cache_dir=str(tmp_path / "cache"))
-    ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 0), seq_length=16,
+    ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
                              num_samples=200, seed=1)
     assert isinstance(ds, BlendedDataset)
     share_alpha = float((torch.as_tensor(ds.dataset_index[:200]) == 0).float().mean())
@@ -216,6 +217,13 @@ def test_eod_from_tokenizer_config_or_known_names(corpus, tmp_path):
     bare.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="end-of-document token"):
         load_hf_tokenizer(str(tmp_path))
+
+
+def test_tokenizer_larger_than_the_embedding_is_a_config_error(corpus):
+    cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], tokenizer=str(corpus.tok_dir))
+    assert build_tokenizer(cfg, 300).vocab_size == 300
+    with pytest.raises(ConfigError, match=r"data.tokenizer=.*model.vocab_size=299 ids \(this one has 300\)"):
+        build_tokenizer(cfg, 299)
 
 
 def test_indexed_needs_a_tokenizer():

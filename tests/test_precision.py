@@ -115,6 +115,17 @@ def test_backward_is_straight_through():
     torch.testing.assert_close(w.grad, gy.t() @ fp8.emulate(x.detach(), "blockwise", "activation"), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_zero_rows_give_empty_output_and_zero_weight_grad(recipe):
+    # An MoE expert that receives no tokens runs its linears on [0, K] inputs.
+    x = torch.zeros(0, 200, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(40, 200, dtype=torch.bfloat16, requires_grad=True)
+    y = precision.quantized_matmul(x, w, recipe, "emulate")
+    assert y.shape == (0, 40) and y.dtype == torch.bfloat16
+    y.sum().backward()
+    assert x.grad.shape == (0, 200) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_quantized_matmul_rejects_te():
     with pytest.raises(ValueError, match="fp8_autocast"):
         precision.quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "blockwise", "te")
@@ -225,15 +236,21 @@ def test_apply_precision_megatron_linear(single_rank_parallel_state, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
-def test_torch_backend_matches_emulate(recipe):
+@pytest.mark.parametrize(
+    "m,k,n",
+    [(200, 512, 768), (37, 2048, 576), (64, 2048, 32), (5, 200, 40), (0, 2048, 1024)],
+    ids=["aligned", "kv_down_N576", "indexer_weights_N32", "K200_N40", "no_rows"],
+)
+def test_torch_backend_matches_emulate(recipe, m, k, n):
+    """The FP8 GEMM (zero-padded to the kernels' multiples where needed) equals emulate."""
     if not precision._cuda_fp8_available():
         pytest.skip("needs an FP8-capable GPU (sm_89+)")
     g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(200, 512, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
-    w = (torch.randn(768, 512, device="cuda", generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.05).to(torch.bfloat16).requires_grad_()
     y = precision.quantized_matmul(x, w, recipe, "torch")
     y_emu = precision.quantized_matmul(x.detach().float(), w.detach().float(), recipe, "emulate")
-    assert y.dtype == torch.bfloat16 and y.shape == (200, 768)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     torch.testing.assert_close(y.float(), y_emu, rtol=1e-2, atol=1e-2)
     y.float().square().sum().backward()
     assert torch.isfinite(x.grad).all() and torch.isfinite(w.grad).all()

@@ -5,10 +5,12 @@ Per profile: median step time (first ``--warmup`` steps and drift-measured steps
 ratio to bf16, first / final loss, top-k overlap (and exact rows, score error) against the
 ``serving`` reference averaged over layers and over the measured steps, and the drift overhead
 (median measured-step time / median step time - 1; the per-step cost at interval I is that / I).
-A profile whose run fails is reported with its error and the others still run.
+A profile whose run fails is reported with its error and the others still run; one stopped by
+``--time-limit`` is summarised over the steps it finished (status ``partial``).
 
     python scripts/bench/precision.py --out runs/bench_precision.json                  # H200, glm5_proxy, torch backend
     python scripts/bench/precision.py --small --out /tmp/bench_precision.json          # tiny, CPU, emulate backend
+    python scripts/bench/precision.py --profiles bf16 fp8 --gpus 0 1 --out ...          # two profiles at once
 
 Prints a table and writes JSON to ``--out``; run dirs go to ``--runs`` (default: next to --out).
 """
@@ -16,6 +18,7 @@ Prints a table and writes JSON to ``--out``; run dirs go to ``--runs`` (default:
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import statistics
@@ -32,7 +35,8 @@ def _overrides(args: argparse.Namespace, profile: str) -> list[str]:
     common = [
         f"precision={profile}", f"train.steps={args.steps}", f"train.seed={args.seed}",
         f"precision.drift.interval={args.drift_interval}", "precision.drift.reference=serving",
-        "logging.mode=disabled", "train.resume=none", "train.save_final=false",
+        f"logging.mode={args.logging_mode}", "train.resume=none", "train.save_final=false",
+        *args.override,
     ]
     if profile != "bf16":
         common.append(f"precision.backend={args.backend}")
@@ -51,15 +55,36 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run(args: argparse.Namespace, profile: str, runs: Path) -> dict[str, Any]:
+def _run(args: argparse.Namespace, profile: str, runs: Path, gpu: Optional[str] = None) -> dict[str, Any]:
     env = dict(os.environ, KPOOL_RUN_ROOT=str(runs), KPOOL_RUN_ID=f"precision_{profile}",
                WANDB_SILENT="true", MASTER_PORT=str(_free_port()))
-    cmd = [sys.executable, str(ROOT / "train.py"), *_overrides(args, profile)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
     run_dir = runs / f"precision_{profile}"
+    # each run its own dataset index cache: concurrent runs must not build the same files
+    cmd = [sys.executable, str(ROOT / "train.py"), *_overrides(args, profile), f"data.cache_dir={run_dir}/data_cache"]
+    metrics = run_dir / "metrics.jsonl"
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=args.time_limit)
+    except subprocess.TimeoutExpired:
+        if not metrics.exists() or not metrics.read_text().strip():
+            return {"profile": profile, "status": "failed", "error": f"no step within {args.time_limit} s"}
+        return {"profile": profile, "status": "partial", **summarise(metrics, args)}
     if proc.returncode != 0:
         return {"profile": profile, "status": "failed", "error": (proc.stderr or proc.stdout)[-2000:]}
-    return {"profile": profile, "status": "completed", **summarise(run_dir / "metrics.jsonl", args)}
+    return {"profile": profile, "status": "completed", **summarise(metrics, args)}
+
+
+def run_profiles(args: argparse.Namespace, runs: Path) -> list[dict[str, Any]]:
+    """Every profile's result in ``args.profiles`` order. With ``--gpus`` the profiles are dealt
+    round-robin to the GPUs; each GPU runs its share in turn, the GPUs at the same time."""
+    if not args.gpus:
+        return [_run(args, profile, runs) for profile in args.profiles]
+    shares = {gpu: args.profiles[i::len(args.gpus)] for i, gpu in enumerate(args.gpus)}
+    with concurrent.futures.ThreadPoolExecutor(len(args.gpus)) as pool:
+        done = pool.map(lambda item: [_run(args, p, runs, item[0]) for p in item[1]], shares.items())
+        by_profile = {r["profile"]: r for share in done for r in share}
+    return [by_profile[p] for p in args.profiles]
 
 
 def summarise(metrics_file: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -75,8 +100,10 @@ def summarise(metrics_file: Path, args: argparse.Namespace) -> dict[str, Any]:
         "step_time_s": step_time,
         "first_loss": steps[min(steps)]["loss"],
         "final_loss": steps[max(steps)]["loss"],
+        "steps_done": max(steps),
         "losses": [steps[s]["loss"] for s in sorted(steps)],
         "drift_steps": sorted(measured),
+        "overlap_by_step": [[r["step"], r["dsa/topk_overlap"]] for r in drift],
     }
     for key in ("topk_overlap", "topk_exact_rows", "score_rel_err", "boundary_tie_frac"):
         values = [r[f"dsa/{key}"] for r in drift]
@@ -87,17 +114,18 @@ def summarise(metrics_file: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def table(results: list[dict[str, Any]]) -> str:
     base: Optional[float] = next((r["step_time_s"] for r in results
-                                  if r["profile"] == "bf16" and r["status"] == "completed"), None)
+                                  if r["profile"] == "bf16" and r["status"] != "failed"), None)
     lines = [f"{'profile':<14} {'step s':>8} {'vs bf16':>8} {'loss 0':>8} {'loss N':>8} "
              f"{'overlap':>8} {'exact':>7} {'score err':>9} {'drift +':>8}"]
     for r in results:
-        if r["status"] != "completed":
+        if r["status"] == "failed":
             lines.append(f"{r['profile']:<14} FAILED: {r['error'].strip().splitlines()[-1][:100]}")
             continue
         ratio = r["step_time_s"] / base if base else float("nan")
         lines.append(f"{r['profile']:<14} {r['step_time_s']:>8.3f} {ratio:>8.2f} {r['first_loss']:>8.4f} "
                      f"{r['final_loss']:>8.4f} {r['topk_overlap']:>8.4f} {r['topk_exact_rows']:>7.4f} "
-                     f"{r['score_rel_err']:>9.2e} {r['drift_overhead']:>8.1%}")
+                     f"{r['score_rel_err']:>9.2e} {r['drift_overhead']:>8.1%}"
+                     + ("" if r["status"] == "completed" else f"  (stopped at step {r['steps_done']})"))
     return "\n".join(lines)
 
 
@@ -113,6 +141,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 3; 1 with --small)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES)
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds per profile run; a run stopped by it is summarised over its finished steps")
+    parser.add_argument("--logging-mode", default="disabled", choices=("disabled", "offline", "online"),
+                        help="wandb mode of the runs (offline: scripts/drift_report.py can read them)")
+    parser.add_argument("--gpus", nargs="+", default=None,
+                        help="run the profiles concurrently, one GPU each (CUDA_VISIBLE_DEVICES ids)")
+    parser.add_argument("--override", nargs="*", default=[], help="extra train.py overrides for every profile")
     args = parser.parse_args(argv)
     small = args.small
     args.steps = args.steps or (6 if small else 200)
@@ -120,7 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.backend = args.backend or ("emulate" if small else "torch")
     args.warmup = args.warmup if args.warmup is not None else (1 if small else 3)
     runs = args.runs or args.out.parent / "precision_runs"
-    results = [_run(args, profile, runs) for profile in args.profiles]
+    results = run_profiles(args, runs)
     text = table(results)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
