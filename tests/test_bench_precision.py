@@ -40,6 +40,7 @@ def test_summary_excludes_warmup_and_drift_steps_from_the_timing(metrics):
     out = bench.summarise(metrics, Namespace(warmup=1))
     assert out["step_time_s"] == 1.0
     assert out["drift_overhead"] == pytest.approx(0.5)
+    assert out["drift_overhead_at_default_interval"] == pytest.approx(0.5 / bench.DEFAULT_DRIFT_INTERVAL)
     assert (out["first_loss"], out["final_loss"], out["steps_done"]) == (9.0, 2.0, 8)
     assert out["topk_overlap"] == pytest.approx((0.94 + 0.98) / 2)
     assert out["overlap_by_step"] == [[4, pytest.approx(0.94)], [8, pytest.approx(0.98)]]
