@@ -38,7 +38,7 @@ from recipes.megatron_config import to_transformer_config
 from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
 from recipes.model import build_gpt_model
 from recipes.precision_setup import report_precision, setup_precision
-from recipes.preemption import PreemptionGuard
+from recipes.preemption import PreemptionGuard, Requeued
 from recipes.schema import validate
 
 
@@ -83,6 +83,8 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
             dry_run(cfg)
             return math.nan
         final = _train(cfg, run_dir, overrides or [])
+    except Requeued:
+        raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
         write_result(run_dir, status="failed", error=f"{type(err).__name__}: {err}",
                      overrides=overrides or [], final_loss=None, steps=0)
@@ -215,7 +217,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
     loss = math.nan
-    status = "completed"
+    status, requeued = "completed", False
     try:
         while progress.step < t.steps:
             start = time.perf_counter()
@@ -250,7 +252,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
             if stop:
                 status = "preempted"
                 _print0(f"{guard.signal_name} received: checkpoint saved at step {progress.step}")
-                guard.requeue()
+                requeued = guard.requeue()
                 break
         saved_last = t.save_interval and progress.step % t.save_interval == 0
         if status == "completed" and t.save_final and not saved_last:
@@ -261,6 +263,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
         logger.close()
     write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
                  steps=progress.step)
+    if requeued:
+        raise Requeued()
     return loss
 
 

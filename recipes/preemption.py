@@ -13,9 +13,11 @@ the checkpoint up::
         train_step()
         if guard.should_stop():
             save_checkpoint()
-            if guard.requeue():
-                raise SystemExit(0)   # not a normal return: see slurm/README.md (submitit)
+            requeued = guard.requeue()
             break
+    write_result(...)
+    if requeued:
+        raise Requeued()   # not a normal return: see :class:`Requeued`
 """
 
 from __future__ import annotations
@@ -34,6 +36,20 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
+
+
+class Requeued(SystemExit):
+    """Ends the process with status 0 after the job was requeued, without returning a result.
+
+    A normal return would be wrong under hydra-submitit-launcher: submitit pickles the returned
+    value as the sweep element's result, the launcher stops waiting and the sweep summary records
+    the element as preempted while its requeued run is still to come. A ``SystemExit`` is not an
+    ``Exception``: Hydra's job runner and submitit let it through, no result is written, and the
+    launcher keeps waiting for the requeued run. Under ``sbatch`` it is simply exit status 0.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(0)
 
 
 def _parse_signals(names: Sequence[str]) -> list[signal.Signals]:

@@ -5,7 +5,9 @@
 
 slurm/train.sbatch trains the tiny model (TP=2) and checkpoints; a USR1 mid-run makes the job
 requeue itself and resume to the same final loss; a Hydra sweep through hydra/launcher=slurm runs
-as an array job and writes its summary; a bad override fails the job with the error in its log.
+as an array job and writes its summary; a USR1 to a sweep element requeues it and the sweep waits
+for the resumed run (same final loss as an uninterrupted run); a bad override fails the job with
+the error in its log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.train_runner import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "slurm" / "train.sbatch"
@@ -169,6 +173,45 @@ def test_hydra_sweep_runs_as_array_job_and_writes_summary(tmp_path: Path) -> Non
     for element in array_elements:
         assert _wait(element, timeout_s=60) == ("COMPLETED", "0:0")  # sacct lags the results
     print(f"2-point sweep as array job {job}: {time.monotonic() - start:.0f}s")
+
+
+def test_usr1_requeues_a_sweep_element_which_resumes_to_the_same_loss(tmp_path: Path) -> None:
+    """A time-limit signal to a submitit-launched sweep element: the guard checkpoints and
+    requeues it, the element re-runs the same Hydra job, resumes, and the sweep completes with the
+    loss of an uninterrupted run of the same config."""
+    start = time.monotonic()
+    point = ["train.steps=20", "precision=fp32", "logging.mode=disabled", "data.seq_length=256"]
+    sweep = subprocess.Popen(
+        [sys.executable, "train.py", "-m", "hydra/launcher=slurm", "hydra.launcher.gpus_per_node=0",
+         "hydra.launcher.cpus_per_task=1", "model.dsa_indexer_kpool=2", *point],
+        cwd=ROOT, env={**os.environ, "KPOOL_RUN_ROOT": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not (metrics := list(tmp_path.glob("*/*/metrics.jsonl"))) or not metrics[0].read_text():
+            assert sweep.poll() is None, sweep.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the sweep element never logged a step"
+            time.sleep(0.1)
+        (log_file,) = metrics[0].parents[1].glob(".submitit/*/*_0_log.out")
+        element = log_file.parent.name  # the element's job id (<array id>_0 when the array has several)
+        subprocess.run(["scancel", "--signal=USR1", element], check=True, timeout=30)
+        output, _ = sweep.communicate(timeout=400)
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+    assert sweep.returncode == 0, output[-3000:]
+    run_dir = metrics[0].parent
+    console = log_file.read_text()  # both runs of the element append to the same submitit log
+    assert "SIGUSR1 received" in console and "resumed from" in console, console[-3000:]
+    result = _read_result(run_dir)
+    assert result["status"] == "completed" and result["steps"] == 20, result
+    summary = (run_dir.parent / "summary.csv").read_text().splitlines()
+    assert len(summary) == 2 and ",completed,20," in summary[1], summary  # written after the requeued run
+    reference = run_train(tmp_path / "reference", "ref", ["model.dsa_indexer_kpool=2", *point])
+    ref_loss = _read_result(tmp_path / "reference" / "ref")["final_loss"]
+    assert math.isclose(result["final_loss"], ref_loss, rel_tol=1e-5), (result, ref_loss, reference.returncode)
+    print(f"preempted + requeued sweep element {element}: {time.monotonic() - start:.0f}s")
 
 
 @pytest.mark.parametrize(
