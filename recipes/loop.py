@@ -25,6 +25,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.core.transformer.module import Float16Module
 from omegaconf import OmegaConf
 
@@ -71,7 +72,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
     planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
         validate(cfg, planned if cfg.train.dry_run else topo.world_size)
-        data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # a bad tokenizer fails here, not in the model
+        tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
     except ValueError as err:
         if topo.rank == 0:
             write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],
@@ -82,7 +83,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan
-        final = _train(cfg, run_dir, overrides or [])
+        final = _train(cfg, run_dir, overrides or [], tokenizer)
     except Requeued:
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
@@ -138,18 +139,17 @@ def _build(cfg: Any) -> Trainer:
                    t.global_batch_size // (t.micro_batch_size * dp), precision_map)
 
 
-def packed_eod_id(cfg: Any) -> Optional[int]:
+def packed_eod_id(cfg: Any, tokenizer: MegatronTokenizerBase) -> Optional[int]:
     """The EOD token id when micro batches are packed documents (``data.reset_attention_mask``):
     each micro batch (one row) then runs as THD with ``cu_seqlens`` split after every EOD, so no
     query attends or selects keys across documents. ``None`` for plain causal batches."""
     if not cfg.data.reset_attention_mask:
         return None
-    return int(data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size).eod)
+    return int(tokenizer.eod)
 
 
-def _batches(cfg: Any, consumed: int) -> data_lib.ResumableBatchIterator:
+def _batches(cfg: Any, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
-    tokenizer = data_lib.build_tokenizer(d, cfg.model.vocab_size)
     dataset = data_lib.build_train_dataset(
         d, tokenizer=tokenizer, seq_length=d.seq_length,
         num_samples=t.steps * t.global_batch_size, seed=t.seed,
@@ -191,7 +191,7 @@ def _reduce_loss(reports: list[dict]) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
+def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase) -> float:
     t = cfg.train
     trainer = _build(cfg)
     ckpt_root = Path(t.save) if t.save else run_dir / "checkpoints"
@@ -204,8 +204,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str]) -> float:
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
     device = distributed.device()
-    batches = _batches(cfg, progress.consumed_samples)
-    eod_id = packed_eod_id(cfg)
+    batches = _batches(cfg, progress.consumed_samples, tokenizer)
+    eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
                            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
+from recipes import data as data_lib
 from recipes import distributed, loop
 from recipes.distributed import register_resolvers
 from recipes.schema import register_configs
@@ -36,7 +37,9 @@ def main() -> None:
     os.environ.setdefault("KPOOL_RUN_ID", "profile")
     distributed.init_process_group(distributed.launcher_topology())
     trainer = loop._build(cfg)
-    batches = loop._batches(cfg, 0)
+    tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
+    batches = loop._batches(cfg, 0, tokenizer)
+    eod_id = loop.packed_eod_id(cfg, tokenizer)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     fwd_bwd = get_forward_backward_func()
@@ -46,7 +49,7 @@ def main() -> None:
         start = time.perf_counter()
         trainer.model.zero_grad_buffer()
         trainer.optimizer.zero_grad()
-        fwd_bwd(forward_step_func=partial(loop.forward_step, device, loop.packed_eod_id(cfg)),
+        fwd_bwd(forward_step_func=partial(loop.forward_step, device, eod_id),
                 data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=cfg.train.micro_batch_size,
