@@ -72,11 +72,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.core_attention import CORE_ATTENTION
+from kpool_layers.dsa_kernels import range_topk_kernel
 from kpool_layers.indexer import DSAIndexer
 from kpool_layers.indexer_loss import indexer_kl_loss
 from kpool_layers.norm import SPNorm
 from kpool_layers.rope import Rotary, RotaryFn, document_positions, yarn_get_mscale
-from kpool_layers.sparse_attention import sparse_mla_attention
 
 
 def mla_softmax_scale(config: GLMTransformerConfig) -> float:
@@ -161,7 +162,9 @@ class GLMSparseMLASubmodules:
     Linears take megatron's ColumnParallelLinear (all but ``linear_proj``, incl. ``gather_output``)
     or RowParallelLinear (``linear_proj``) constructor arguments, e.g. Transformer Engine's
     ``TEColumnParallelLinear`` / ``TERowParallelLinear``; norms ``(config, hidden_size, eps)``; the
-    indexer ``(config, layer_number)`` with :class:`kpool_layers.indexer.DSAIndexer`'s forward.
+    indexer ``(config, layer_number)`` with :class:`kpool_layers.indexer.DSAIndexer`'s forward; the
+    core attention ``(config, softmax_scale, v_channels)`` with
+    :class:`kpool_layers.core_attention.SparseMLACore`'s forward.
     """
 
     linear_q_down_proj: ModuleSpec | type
@@ -172,6 +175,7 @@ class GLMSparseMLASubmodules:
     q_layernorm: ModuleSpec | type
     kv_layernorm: ModuleSpec | type
     indexer: ModuleSpec | type
+    core_attention: ModuleSpec | type
 
 
 class GLMSparseMLA(MegatronModule):
@@ -251,6 +255,9 @@ class GLMSparseMLA(MegatronModule):
                                          eps=config.mla_latent_norm_eps)
         self.indexer = (build_module(submodules.indexer, config=config, layer_number=layer_number)
                         if self.computes_topk else None)
+        self.core_attention = build_module(submodules.core_attention, config=config,
+                                           softmax_scale=self.softmax_scale,
+                                           v_channels=config.kv_lora_rank)
 
         self.uses_indexer_loss = bool(config.dsa_indexer_loss_coeff) and self.computes_topk
         if self.uses_indexer_loss and config.experimental_attention_variant_loss_scale_func is None:
@@ -318,10 +325,7 @@ class GLMSparseMLA(MegatronModule):
 
         topk_indices, indexer_out = self._topk(hidden_states, q_latent, positions, cu_seqlens,
                                                packed_seq_params)
-        latent_out = sparse_mla_attention(query, key, topk_indices, self.softmax_scale,
-                                          v_channels=cfg.kv_lora_rank,
-                                          chunk_size=cfg.dsa_indexer_query_chunk_size,
-                                          key_start=doc_start)  # [s, b, n_l, r]
+        latent_out = self.core_attention(query, key, topk_indices, doc_start)  # [s, b, n_l, r]
         if indexer_out is not None:
             loss = indexer_kl_loss(self.indexer, indexer_out, query, key, self.softmax_scale,
                                    sparse=cfg.dsa_indexer_use_sparse_loss, cu_seqlens=cu_seqlens)
@@ -432,11 +436,13 @@ def _check_config(config: GLMTransformerConfig, attn_mask_type: AttnMaskType) ->
 
 def glm_attention_spec(config: GLMTransformerConfig,
                        topk_share: Optional[TopKShare] = None) -> ModuleSpec:
-    """``self_attention`` spec for the local backend (megatron's parallel linears, SP norms).
+    """``self_attention`` spec for the local backend (megatron's parallel linears, SP norms), with
+    the sparse MLA core attention and the indexer's top-k kernel of ``config.dsa_kernels``.
 
     All layers built from the returned spec share one :class:`TopKShare` (a new one unless given),
     which is what IndexShare needs; build MTP layers from a separate call.
     """
+    backend = config.dsa_kernels
     return ModuleSpec(
         module=GLMSparseMLA,
         params={"topk_share": topk_share or TopKShare(), "attn_mask_type": AttnMaskType.causal},
@@ -448,6 +454,8 @@ def glm_attention_spec(config: GLMTransformerConfig,
             linear_proj=RowParallelLinear,
             q_layernorm=SPNorm,
             kv_layernorm=SPNorm,
-            indexer=DSAIndexer,
+            indexer=ModuleSpec(module=DSAIndexer, params={"range_topk": range_topk_kernel(
+                backend, config.dsa_indexer_query_chunk_size)}),
+            core_attention=CORE_ATTENTION[backend],
         ),
     )

@@ -32,6 +32,11 @@ class GLMTransformerConfig(MLATransformerConfig):
     """Queries scored at once by the indexer and the sparse attention; bounds memory to
     O(chunk * s) instead of O(s * s)."""
 
+    dsa_kernels: str = "torch"
+    """Kernels of the sparse MLA attention and the indexer's scores + top-k: ``torch``, ``tilelang``
+    or ``triton`` (resolved; ``auto`` is resolved before the config is made, see
+    :mod:`kpool_layers.dsa_kernels`)."""
+
     mla_latent_norm_epsilon: float | None = None
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
     model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
@@ -45,6 +50,9 @@ class GLMTransformerConfig(MLATransformerConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dsa_kernels not in ("torch", "tilelang", "triton"):
+            raise ValueError(f"dsa_kernels={self.dsa_kernels!r} is not allowed; allowed: "
+                             "torch, tilelang, triton ('auto' is resolved by the recipes)")
         if self.dsa_indexer_kpool not in KPOOL_ALLOWED:
             raise ValueError(
                 f"dsa_indexer_kpool={self.dsa_indexer_kpool} is not allowed; "

@@ -38,6 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.dsa_kernels import RangeTopK, range_topk_kernel
 from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
 from kpool_layers.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
@@ -142,6 +143,9 @@ def _duplicated_linear(
 class DSAIndexer(MegatronModule):
     """DSA lightning indexer; ``config.dsa_indexer_kpool > 1`` pools the index keys (KPool).
 
+    ``range_topk`` scores and selects (the spec passes the ``dsa_kernels`` backend's kernel;
+    default: that of ``config.dsa_kernels``).
+
     KPool adds ``index_kpool_compress_gate`` (hidden -> head_dim, no bias, zero-initialised so
     pooling starts as a mean) and ``index_kpool_compress_ape`` [kpool, head_dim] (zeros, trainable
     iff ``dsa_indexer_kpool_train_ape``). The ape is held in FP32 whatever the model dtype:
@@ -149,9 +153,13 @@ class DSAIndexer(MegatronModule):
     ``module.bfloat16()``), so mixed-precision optimizers see it as an FP32 parameter.
     """
 
-    def __init__(self, config: GLMTransformerConfig, layer_number: int) -> None:
+    def __init__(self, config: GLMTransformerConfig, layer_number: int,
+                 range_topk: Optional[RangeTopK] = None) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
+        self.range_topk = range_topk or range_topk_kernel(config.dsa_kernels,
+                                                          config.dsa_indexer_query_chunk_size)
+        """Scores + top-k kernel (:mod:`kpool_layers.dsa_kernels`), chosen by the layer spec."""
         self.n_heads = config.dsa_indexer_n_heads
         self.head_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
@@ -306,7 +314,7 @@ class DSAIndexer(MegatronModule):
                     topk=cfg.dsa_indexer_topk,
                     always_select_tail=cfg.dsa_indexer_kpool_always_select_tail,
                     relu=cfg.dsa_indexer_scoring_relu,
-                    chunk_size=cfg.dsa_indexer_query_chunk_size,
+                    range_topk=self.range_topk,
                 )
             )
             keys.append(row_keys)

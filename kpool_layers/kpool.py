@@ -16,19 +16,19 @@ Layouts (one batch row of ``t`` tokens, packed documents back to back):
     q [t, h, d], k [t, d], gate [t, d], ape [kpool, d], weights [t, h], cu_seqlens int [n_docs + 1]
     result: int64 [t, topk] (+ kpool - 1 tail slots), token indices into the row, -1 = empty.
 
-:func:`kpool_topk` is the plain reference of the contract; :func:`kpool_select` is the chunked
-path the layer runs and must return exactly the same indices.
+:func:`kpool_topk` is the plain reference of the contract; :func:`kpool_select` is the path the
+layer runs (chunked PyTorch or a fused top-k kernel) and must return exactly the same indices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from kpool_layers.topk import chunked_range_topk, index_scores, score_dtype, topk_lower_index_ties
+from kpool_layers.topk import index_scores, score_dtype, topk_lower_index_ties
 
 
 @dataclass(frozen=True)
@@ -169,11 +169,14 @@ def kpool_select(
     topk: int,
     always_select_tail: bool,
     relu: bool,
-    chunk_size: int,
+    range_topk: Callable[..., Tensor],
 ) -> Tensor:
-    """The layer's chunked selection over already pooled ``keys`` [n_pools, d] (token keys for
-    ``kpool == 1``); returns what :func:`kpool_topk` returns. Runs without grad."""
-    pools = chunked_range_topk(
+    """The layer's selection over already pooled ``keys`` [n_pools, d] (token keys for
+    ``kpool == 1``) with ``range_topk`` (:func:`kpool_layers.topk.chunked_range_topk`'s contract
+    without its chunk size, e.g. ``partial(chunked_range_topk, chunk_size=1024)`` or a fused kernel
+    of :mod:`kpool_layers.dsa_kernels`); returns what :func:`kpool_topk` returns. Runs without
+    grad."""
+    pools = range_topk(
         q.detach(),
         keys.detach(),
         weights.detach(),
@@ -181,7 +184,6 @@ def kpool_select(
         layout.query_hi,
         topk=topk // layout.kpool,
         relu=relu,
-        chunk_size=chunk_size,
     )
     if layout.kpool == 1:
         return pools

@@ -38,7 +38,7 @@ from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
 from recipes.model import build_gpt_model
-from recipes.precision_setup import report_precision, setup_precision
+from recipes.precision_setup import kernel_rows, report_precision, setup_precision
 from recipes.preemption import PreemptionGuard, Requeued
 from recipes.schema import validate
 
@@ -105,7 +105,8 @@ def _build(cfg: Any) -> Trainer:
         model = model.cuda()
     if tcfg.bf16:
         model = Float16Module(tcfg, model)
-    precision_map = setup_precision(cfg.precision, model)  # precision: route linears (FP8 etc.)
+    # precision: route linears (FP8 etc.); the map also lists the DSA kernels (model.dsa_kernels)
+    precision_map = setup_precision(cfg.precision, model) + kernel_rows(model)
     par = cfg.parallelism
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
+from kpool_layers import dsa_kernels
 from kpool_layers.config import GLMTransformerConfig
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
@@ -43,6 +44,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
     if unknown:
         raise KeyError(f"model keys without a megatron field: {sorted(unknown)}")
 
+    copied["dsa_kernels"] = dsa_kernels.resolve(
+        copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
     precision = _plain(cfg.precision)
     bf16 = precision["dtype"] == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
@@ -79,6 +82,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         params_dtype=dtype,
         pipeline_dtype=dtype,
         dsa_indexer_k_norm_fp32=precision["dsa_indexer_k_norm_fp32"],  # megatron's own field
+        deterministic_mode=bool(cfg.train.deterministic),
         # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,

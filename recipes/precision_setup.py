@@ -33,6 +33,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.moe.router import TopKRouter
 
+from kpool_layers.core_attention import SparseMLACore
 from kpool_layers.indexer import DSAIndexer
 from kpool_layers.precision import PrecisionPolicy, Role, apply_precision, available_backends
 
@@ -178,6 +179,28 @@ def precision_rows(model: torch.nn.Module, policy: PrecisionPolicy, backend: str
     return rows
 
 
+def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Rows of the DSA kernels (``model.dsa_kernels``) for the printed map beside
+    :func:`precision_rows`' linears: every layer's sparse MLA core attention (role
+    ``kernel.sparse_mla``) and indexer top-k (``kernel.indexer_topk``), ``backend`` = the kernel
+    backend, ``note`` = its determinism (docs/kernels.md)."""
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMLACore):
+            facts = module.facts
+            cuda = torch.cuda.is_available()
+            deterministic = facts.deterministic_cuda if cuda else facts.deterministic_cpu
+            note = "deterministic" if deterministic else f"not deterministic: {facts.nondeterministic_part}"
+            dtype = str(module.config.params_dtype).removeprefix("torch.")
+            rows.append({"module": _strip(name), "role": "kernel.sparse_mla", "quantized": False,
+                         "dtype": dtype, "backend": facts.name, "note": note})
+        elif isinstance(module, DSAIndexer):
+            rows.append({"module": _strip(name), "role": "kernel.indexer_topk", "quantized": False,
+                         "dtype": "float32", "backend": module.config.dsa_kernels,
+                         "note": "deterministic"})
+    return rows
+
+
 def setup_precision(precision_cfg: Any, model: torch.nn.Module) -> list[dict[str, Any]]:
     """Apply ``precision_cfg`` to a built (dtype-cast) model: route every routable linear through
     the policy, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized scoring when
@@ -203,7 +226,8 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
         groups[key] = groups.get(key, 0) + 1
     lines = []
     for (role, quantized, dtype, backend, note), n in groups.items():
-        kind = f"FP8 ({backend})" if quantized else "unquantized"
+        kind = (f"kernel {backend}" if str(role).startswith("kernel.")
+                else f"FP8 ({backend})" if quantized else "unquantized")
         lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
     return lines
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 
 from kpool_layers.config import KPOOL_ALLOWED
@@ -44,6 +45,15 @@ class RopeType(str, Enum):
 class RouterScore(str, Enum):
     softmax = "softmax"
     sigmoid = "sigmoid"
+
+
+class DsaKernels(str, Enum):
+    """``kpool_layers.dsa_kernels.BACKENDS``."""
+
+    auto = "auto"
+    torch = "torch"
+    tilelang = "tilelang"
+    triton = "triton"
 
 
 class Dispatcher(str, Enum):
@@ -94,6 +104,7 @@ class ModelConfig:
     dsa_indexer_scoring_relu: bool = True
     dsa_indexer_k_norm_epsilon: float = 1e-6
     dsa_indexer_query_chunk_size: int = 1024
+    dsa_kernels: DsaKernels = DsaKernels.auto  # sparse MLA + indexer top-k kernels (docs/kernels.md)
     # KPool (pooled index keys).
     dsa_indexer_kpool: int = 1
     dsa_indexer_kpool_always_select_tail: bool = False
@@ -249,6 +260,7 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     keep_checkpoints: int = 2
     dry_run: bool = False
+    deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
 
 
 class WandbMode(str, Enum):
@@ -390,6 +402,29 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
     _require(t.log_interval >= 1, "train.log_interval", t.log_interval, "an integer >= 1")
     _validate_precision(cfg)
+    _validate_kernels(cfg)
+
+
+def _validate_kernels(cfg: Any) -> None:
+    """``model.dsa_kernels``: resolvable, runnable here (unless a dry run plans for another
+    machine), supported for the model's shapes and deterministic under ``train.deterministic``."""
+    from kpool_layers import dsa_kernels
+
+    m = cfg.model
+    requested = _value(m.dsa_kernels)
+    on_device = not cfg.train.dry_run
+    backend = dsa_kernels.resolve(requested, on_device=None if on_device else False)
+    shapes = dsa_kernels.KernelShapes(
+        dtype=torch.bfloat16 if _value(cfg.precision.dtype) == "bf16" else torch.float32,
+        kv_lora_rank=m.kv_lora_rank, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+        dsa_indexer_head_dim=m.dsa_indexer_head_dim)
+    try:
+        dsa_kernels.check_backend(backend, shapes, deterministic=cfg.train.deterministic,
+                                  on_device=on_device)
+    except dsa_kernels.KernelUnavailable as err:
+        shown = requested if requested == backend else f"{requested} (= {backend} here)"
+        raise ConfigError("model.dsa_kernels", shown,
+                          f"{list(dsa_kernels.BACKENDS)}; {err}") from None
 
 
 def _value(x: Any) -> Any:

@@ -18,7 +18,6 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import build_module
 
-import kpool_layers.attention as attention_mod
 import kpool_layers.rope as rope_mod
 from kpool_layers.attention import (
     GLMSparseMLA,
@@ -29,6 +28,7 @@ from kpool_layers.attention import (
     mla_softmax_scale,
 )
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.core_attention import TorchSparseMLA
 
 
 def tiny_config(**overrides: object) -> GLMTransformerConfig:
@@ -216,13 +216,13 @@ def test_index_share_skip_layer_reuses_source_indices(single_rank_parallel_state
                                                       monkeypatch) -> None:
     cfg = tiny_config(dsa_indexer_topk_freq=2, dsa_indexer_skip_topk_offset=1)
     used: list[torch.Tensor] = []
-    real = attention_mod.sparse_mla_attention
+    real = TorchSparseMLA.forward
 
-    def recording(query, key, topk, *args, **kwargs):  # noqa: ANN001, ANN202
+    def recording(self, query, key, topk, key_start):  # noqa: ANN001, ANN202
         used.append(topk)
-        return real(query, key, topk, *args, **kwargs)
+        return real(self, query, key, topk, key_start)
 
-    monkeypatch.setattr(attention_mod, "sparse_mla_attention", recording)
+    monkeypatch.setattr(TorchSparseMLA, "forward", recording)
     torch.manual_seed(0)
     share = TopKShare()
     layers = [build(cfg, n, share) for n in (1, 2, 3)]

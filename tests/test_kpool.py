@@ -4,6 +4,7 @@ kpool = 1 == plain DSA, FP32 ape under Float16Module, gradients and saved-tensor
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from torch.func import functional_call
 from kpool_layers.indexer import DSAIndexer
 from kpool_layers.indexer_loss import indexer_kl_loss
 from kpool_layers.kpool import kpool_select, kpool_topk, pool_keys, pool_layout
+from kpool_layers.topk import chunked_range_topk
 from tests.test_indexer import causal_topk, random_qkw, tiny_config
 
 
@@ -92,7 +94,8 @@ def test_chunked_select_equals_reference(kpool: int, relu: bool) -> None:
     options = dict(topk=2 * kpool, always_select_tail=True, relu=relu)
     expected = kpool_topk(q, k, gate, ape, w, kpool=kpool, cu_seqlens=cu, **options)
     for chunk in (1, 5, 64):
-        ours = kpool_select(q, keys, w, layout, chunk_size=chunk, **options)
+        ours = kpool_select(q, keys, w, layout, range_topk=partial(chunked_range_topk, chunk_size=chunk),
+                            **options)
         assert torch.equal(ours, expected)
 
 

@@ -1,27 +1,29 @@
-"""Benchmark DSA top-k + sparse absorbed-MLA attention against megatron-core's reference path.
+"""Benchmark DSA's two kernels per ``model.dsa_kernels`` backend, side by side in one run.
 
-Per sequence length (batch 1; GLM-5 shape: indexer 32 heads x 128, top-2048, hidden 6144,
-q_lora_rank 2048, rope 64; main attention 64 heads over latent keys of 512 + 64 channels; bf16 on
-GPU, fp32 on CPU) and per path, three stages are timed (median of ``--repeats`` after one warm-up)
-with their extra peak GPU memory (peak minus what was allocated before the step):
+Per sequence length (batch 1, bf16 on GPU) and per backend, with the model's shapes:
 
-    topk     top-k selection without grad
-    attn     sparse attention forward + backward (grads of queries and latent keys)
-    total    both in one step
+    topk     indexer scores + top-k of given index queries / keys / weights (no projections)
+    fwd      sparse MLA forward over given top-k indices
+    fwdbwd   sparse MLA forward + backward (gradients of queries and latent keys)
 
-Paths:
-    ours      ``kpool_layers.indexer.DSAIndexer`` (projections, rotary, chunked top-k) and
-              ``kpool_layers.sparse_attention.sparse_mla_attention`` (chunked gather)
-    megatron  ``fused_qk_topk_naive`` on index q/k/weights of the same shapes (materialises
-              [b, s, h, s]) and ``_unfused_absorbed_dsa_fn`` (dense [b, n, s, s] scores masked to
-              the top-k), both with megatron's additive causal mask [s, s] (an input, not counted)
+time (median of ``--repeats`` after one warm-up), extra peak GPU memory (peak minus what was
+allocated before the stage) and useful TFLOP/s: the sparse forward counts ``2 * s * topk * heads *
+(d_k + v)`` FLOPs (top-k keys per query, not s), forward + backward three times that; ``floor`` is
+that count at ``--peak-tflops`` (756, the H200's measured bf16 matmul rate). Every backend's
+forward output and gradients are compared with the torch path's (``rel_err`` = ||x - torch|| /
+||torch|| over out, dq, dkv, the largest) and its top-k with torch's (``topk_overlap``).
 
-Both attention stages use the indices of our indexer, so their outputs are compared
-(``max_abs_diff``). Out-of-memory is caught and reported; ``ratio`` is megatron / ours.
-Prints a table and writes JSON to ``--out``.
+Backends: ``torch`` (chunked PyTorch), ``tilelang`` (megatron-core's TileLang SparseMLA and indexer
+logits kernel; needs ``tilelang``), ``triton`` (ours), ``megatron`` (megatron-core's naive
+``fused_qk_topk_naive`` / ``_unfused_absorbed_dsa_fn``: dense [n, s, s] scores; plain DSA only).
+A backend that cannot run here is reported with its reason. Shapes (``--shape``):
 
-    python scripts/bench/attention.py --out runs/bench_attention.json          # H200
-    python scripts/bench/attention.py --small --out /tmp/bench_attention.json  # tiny, CPU
+    glm5        64 heads, latent 512 + rope 64, indexer 32 x 128, top-2048 (GLM-5 / 5.1 / 5.2)
+    glm5_kpool  64 heads, NoPE latent 512, indexer 32 x 128, kpool 4 + tail, top-2048 (GLM-5.3-Flash)
+
+    python scripts/bench/attention.py --out docs/results/attention_h200.json              # H200
+    python scripts/bench/attention.py --shape glm5_kpool --out docs/results/kpool_h200.json
+    python scripts/bench/attention.py --small --out /tmp/attention.json                   # CPU
 """
 
 from __future__ import annotations
@@ -29,186 +31,241 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
-from typing import Any, Optional
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
 from kpool_layers import _cpu
 from timing import OOM, init_single_rank, measure
 
+BACKENDS = ("torch", "tilelang", "triton", "megatron")
+
 
 @dataclass(frozen=True)
 class Shape:
-    hidden: int
-    q_lora: int
+    heads: int
+    kv_lora: int
+    rope: int
     index_heads: int
     index_dim: int
     topk: int
-    rope: int
-    heads: int
-    kv_lora: int
+    kpool: int
+    tail: bool
     chunk: int
 
-
-GLM5 = Shape(hidden=6144, q_lora=2048, index_heads=32, index_dim=128, topk=2048, rope=64,
-             heads=64, kv_lora=512, chunk=1024)
-SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=8, heads=4,
-              kv_lora=24, chunk=64)
-STAGES = ("topk", "attn", "total")
+    @property
+    def d_k(self) -> int:
+        return self.kv_lora + self.rope
 
 
-def _config(shape: Shape, dtype: torch.dtype):  # noqa: ANN202 (GLMTransformerConfig)
-    from kpool_layers.config import GLMTransformerConfig
-
-    return GLMTransformerConfig(
-        num_layers=1, hidden_size=shape.hidden, num_attention_heads=shape.heads,
-        q_lora_rank=shape.q_lora, kv_lora_rank=shape.kv_lora, qk_head_dim=shape.index_dim,
-        qk_pos_emb_head_dim=shape.rope, v_head_dim=shape.index_dim, rope_type="rope",
-        dsa_indexer_n_heads=shape.index_heads, dsa_indexer_head_dim=shape.index_dim,
-        dsa_indexer_topk=shape.topk, dsa_indexer_query_chunk_size=shape.chunk,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, add_bias_linear=False,
-        use_cpu_initialization=not torch.cuda.is_available(),
-    )
+SHAPES = {
+    "glm5": Shape(heads=64, kv_lora=512, rope=64, index_heads=32, index_dim=128, topk=2048,
+                  kpool=1, tail=False, chunk=1024),
+    "glm5_kpool": Shape(heads=64, kv_lora=512, rope=0, index_heads=32, index_dim=128, topk=2048,
+                        kpool=4, tail=True, chunk=1024),
+}
+SMALL = Shape(heads=4, kv_lora=32, rope=16, index_heads=4, index_dim=16, topk=32, kpool=1,
+              tail=False, chunk=64)
 
 
-def _attention_inputs(shape: Shape, s: int, device: torch.device, dtype: torch.dtype
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Absorbed queries [s, 1, n, d_k], latent keys [s, 1, 1, d_k] (leaf, need grad) and an output
-    gradient [s, 1, n, kv_lora]."""
-    d_k = shape.kv_lora + shape.rope
-    query = torch.randn(s, 1, shape.heads, d_k, device=device, dtype=dtype).requires_grad_()
-    key = torch.randn(s, 1, 1, d_k, device=device, dtype=dtype).requires_grad_()
-    grad = torch.randn(s, 1, shape.heads, shape.kv_lora, device=device, dtype=dtype)
-    return query, key, grad
+def _sparse_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
+    """``(query [s,1,n,d], kv [s,1,1,d], indices [1,s,W], scale) -> [s,1,n,v]`` of ``backend``."""
+    if backend == "torch":
+        from kpool_layers.sparse_attention import sparse_mla_attention
 
+        return lambda q, kv, idx, scale: sparse_mla_attention(
+            q, kv, idx, scale, v_channels=shape.kv_lora, chunk_size=shape.chunk)
+    if backend == "tilelang":
+        from kpool_layers.kernels.tilelang_dsa import megatron_sparse_mla, sparse_mla_tilelang
 
-def _backward(out: torch.Tensor, grad: torch.Tensor, *leaves: torch.Tensor) -> None:
-    torch.autograd.backward(out, grad)
-    for leaf in leaves:
-        leaf.grad = None
+        kernel = megatron_sparse_mla()
+        return lambda q, kv, idx, scale: sparse_mla_tilelang(
+            q, kv, idx, scale, v_channels=shape.kv_lora, key_start=None, kernel=kernel)
+    if backend == "triton":
+        from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
-
-def bench_length(shape: Shape, s: int, repeats: int, device: torch.device,
-                 dtype: torch.dtype) -> dict[str, Any]:
+        return lambda q, kv, idx, scale: sparse_mla_triton(q, kv, idx, scale,
+                                                           v_channels=shape.kv_lora)
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         _unfused_absorbed_dsa_fn,
-        fused_qk_topk_naive,
     )
 
-    from kpool_layers.indexer import DSAIndexer
-    from kpool_layers.rope import Rotary
-    from kpool_layers.sparse_attention import sparse_mla_attention
+    def naive(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+        s = q.shape[0]
+        mask = torch.triu(torch.full((s, s), float("-inf"), device=q.device), diagonal=1)
+        return _unfused_absorbed_dsa_fn(q, kv, idx, scale, shape.kv_lora, mask=mask)
+
+    return naive
+
+
+def _topk_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
+    """``(q [t,h,d], keys [n,d], weights [t,h], lo, hi, topk) -> [t, topk]`` of ``backend``."""
+    if backend == "megatron":
+        from megatron.core.transformer.experimental_attention_variant.dsa import fused_qk_topk_naive
+
+        if shape.kpool != 1:
+            raise RuntimeError("megatron's naive indexer has no KPool")
+
+        def naive(q, keys, weights, lo, hi, topk):  # noqa: ANN001, ANN202
+            s = q.shape[0]
+            mask = torch.triu(torch.full((s, s), float("-inf"), device=q.device), diagonal=1)
+            return fused_qk_topk_naive(q[:, None], keys[:, None], weights[:, None], topk,
+                                       mask=mask, use_relu=True)[1][0]
+
+        return naive
+    from kpool_layers.dsa_kernels import range_topk_kernel
+
+    kernel = range_topk_kernel(backend, shape.chunk if backend == "torch" else 4096)
+    return lambda q, keys, weights, lo, hi, topk: kernel(q, keys, weights, lo, hi, topk=topk,
+                                                         relu=True)
+
+
+def _causal_indices(s: int, width: int, device: torch.device, seed: int) -> torch.Tensor:
+    """[1, s, width]: ``width`` distinct random causal keys per query (all of them while fewer
+    exist), -1 padded; made 1024 queries at a time."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.full((1, s, width), -1, dtype=torch.long, device=device)
+    keys = torch.arange(s, device=device)
+    for r0 in range(0, s, 1024):
+        rows = torch.arange(r0, min(r0 + 1024, s), device=device)
+        score = torch.rand(rows.numel(), s, device=device, generator=g)
+        score = score.masked_fill(keys[None] > rows[:, None], -1.0)
+        val, idx = torch.topk(score, min(width, s), dim=-1)
+        out[0, r0:r0 + rows.numel(), :idx.shape[1]] = torch.where(val >= 0, idx, -1)
+    return out
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def bench_length(shape: Shape, s: int, backends: list[str], repeats: int, device: torch.device,
+                 dtype: torch.dtype, peak_tflops: float) -> dict[str, Any]:
+    from kpool_layers.kpool import pool_layout
 
     cuda = device.type == "cuda"
-    config = _config(shape, dtype)
-    scale = (shape.kv_lora + shape.rope) ** -0.5
-    torch.manual_seed(0)
-    indexer = DSAIndexer(config, layer_number=1).to(device)
-    hidden = torch.randn(s, 1, shape.hidden, device=device, dtype=dtype)
-    latent = torch.randn(s, 1, shape.q_lora, device=device, dtype=dtype)
-    rotary = Rotary.from_config(config).bind(torch.arange(s, device=device), mla_interleaved=False)
-    query, key, grad = _attention_inputs(shape, s, device, dtype)
-
-    def our_topk() -> torch.Tensor:
-        with torch.no_grad():
-            return indexer(hidden, latent, rotary).topk_indices
-
-    def our_attn(indices: torch.Tensor) -> torch.Tensor:
-        out = sparse_mla_attention(query, key, indices, scale, v_channels=shape.kv_lora,
-                                   chunk_size=shape.chunk)
-        _backward(out, grad, query, key)
-        return out.detach()
-
-    result: dict[str, Any] = {"s": s, "ours": {}, "megatron": {}}
-    try:
-        indices = our_topk()
-    except torch.OutOfMemoryError:
-        result["ours"] = {stage: OOM for stage in STAGES}
-        return result
-    ours = result["ours"]
-    ours["topk"] = measure(our_topk, repeats, cuda)
-    ours["attn"] = measure(lambda: our_attn(indices), repeats, cuda)
-    ours["total"] = measure(lambda: our_attn(our_topk()), repeats, cuda)
-
-    index_q = torch.randn(s, 1, shape.index_heads, shape.index_dim, device=device, dtype=dtype)
-    index_k = torch.randn(s, 1, shape.index_dim, device=device, dtype=dtype)
-    index_w = torch.randn(s, 1, shape.index_heads, device=device, dtype=dtype)
-    theirs = result["megatron"]
-    try:
-        mask = torch.triu(torch.full((s, s), float("-inf"), device=device), diagonal=1)
-    except torch.OutOfMemoryError:
-        result["megatron"] = {stage: OOM for stage in STAGES}
-        return result
-
-    def their_topk() -> torch.Tensor:
-        with torch.no_grad():
-            return fused_qk_topk_naive(index_q, index_k, index_w, shape.topk, mask=mask,
-                                       use_relu=True)[1]
-
-    def their_attn(topk_indices: torch.Tensor) -> torch.Tensor:
-        out = _unfused_absorbed_dsa_fn(query, key, topk_indices, scale, shape.kv_lora, mask=mask)
-        _backward(out, grad, query, key)
-        return out.detach()
-
-    theirs["topk"] = measure(their_topk, repeats, cuda)
-    theirs["attn"] = measure(lambda: their_attn(indices), repeats, cuda)
-    theirs["total"] = measure(lambda: their_attn(their_topk()), repeats, cuda)
-    if not theirs["attn"]["oom"]:
+    g = torch.Generator(device=device).manual_seed(s)
+    scale = shape.d_k ** -0.5
+    query = torch.randn(s, 1, shape.heads, shape.d_k, device=device, dtype=dtype,
+                        generator=g).requires_grad_()
+    kv = torch.randn(s, 1, 1, shape.d_k, device=device, dtype=dtype, generator=g).requires_grad_()
+    grad = torch.randn(s, 1, shape.heads, shape.kv_lora, device=device, dtype=dtype, generator=g)
+    indices = _causal_indices(s, shape.topk, device, seed=s)
+    layout = pool_layout(s, shape.kpool, device=device)
+    iq = torch.randn(s, shape.index_heads, shape.index_dim, device=device, dtype=dtype, generator=g)
+    ik = torch.randn(layout.n_pools, shape.index_dim, device=device, dtype=dtype, generator=g)
+    iw = torch.randn(s, shape.index_heads, device=device, dtype=torch.float32, generator=g)
+    n_sel = shape.topk // shape.kpool
+    fwd_flops = 2 * s * shape.topk * shape.heads * (shape.d_k + shape.kv_lora)
+    row: dict[str, Any] = {"s": s, "floor": {"fwd_ms": 1e3 * fwd_flops / (peak_tflops * 1e12),
+                                             "fwdbwd_ms": 3e3 * fwd_flops / (peak_tflops * 1e12)}}
+    reference: dict[str, torch.Tensor] = {}
+    for backend in backends:
+        res: dict[str, Any] = {}
+        row[backend] = res
         try:
-            diff = (our_attn(indices).float() - their_attn(indices).float()).abs().max()
-            result["max_abs_diff"] = float(diff)
-        except torch.OutOfMemoryError:
-            result["max_abs_diff"] = None
+            sparse = _sparse_fn(backend, shape)
+            topk = _topk_fn(backend, shape)
+        except (ImportError, RuntimeError) as err:
+            res["error"] = f"{type(err).__name__}: {err}"
+            continue
+
+        def fwd() -> torch.Tensor:
+            with torch.no_grad():
+                return sparse(query, kv, indices, scale)
+
+        def fwdbwd() -> None:
+            out = sparse(query, kv, indices, scale)
+            torch.autograd.backward(out, grad)
+            query.grad = kv.grad = None
+
+        def select() -> torch.Tensor:
+            return topk(iq, ik, iw, layout.query_lo, layout.query_hi, n_sel)
+
+        for stage, step in (("topk", select), ("fwd", fwd), ("fwdbwd", fwdbwd)):
+            try:
+                m = measure(step, repeats, cuda)
+            except Exception as err:  # noqa: BLE001 - a failing backend is reported, not fatal
+                m = {"ms": None, "peak_mib": None, "oom": False,
+                     "error": f"{type(err).__name__}: {str(err)[:300]}"}
+            res[f"{stage}_ms"], res[f"{stage}_peak_mib"] = m["ms"], m["peak_mib"]
+            if m.get("oom") or m.get("error"):
+                res[f"{stage}_error"] = "OOM" if m.get("oom") else m["error"]
+        if res.get("fwd_ms"):
+            res["fwd_tflops"] = fwd_flops / res["fwd_ms"] / 1e9
+        if res.get("fwdbwd_ms"):
+            res["fwdbwd_tflops"] = 3 * fwd_flops / res["fwdbwd_ms"] / 1e9
+        try:
+            _compare(backend, sparse, topk, (query, kv, indices, scale, grad),
+                     (iq, ik, iw, layout, n_sel), reference, res)
+        except Exception as err:  # noqa: BLE001 - OOM and kernel errors are reported
+            res["compare_error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"s={s} {backend}: " + " ".join(
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()),
+            flush=True)
         if cuda:
             torch.cuda.empty_cache()
-    for stage in STAGES:
-        mine, other = ours[stage], theirs[stage]
-        mine["ratio"] = {
-            "time": other["ms"] / mine["ms"] if other["ms"] and mine["ms"] else None,
-            "mem": (other["peak_mib"] / mine["peak_mib"]
-                    if other["peak_mib"] and mine["peak_mib"] else None),
-        }
-    return result
+    return row
 
 
-def _cell(m: dict[str, Any]) -> str:
-    if m.get("oom"):
-        return f"{'OOM':>10} {'':>10}"
-    peak = "-" if m["peak_mib"] is None else f"{m['peak_mib']:.0f}"
-    return f"{m['ms']:>10.1f} {peak:>10}"
+def _compare(backend: str, sparse: Callable[..., torch.Tensor], topk: Callable[..., torch.Tensor],
+             attn_in: tuple, topk_in: tuple, reference: dict[str, torch.Tensor],
+             res: dict[str, Any]) -> None:
+    """Outputs and gradients against the first backend run (torch), and two runs bit for bit."""
+    query, kv, indices, scale, grad = attn_in
+    iq, ik, iw, layout, n_sel = topk_in
+    runs = []
+    for _ in range(2):
+        out = sparse(query, kv, indices, scale)
+        dq, dkv = torch.autograd.grad(out, (query, kv), grad)
+        runs.append((out.detach(), dq, dkv))
+    res["bitwise_deterministic"] = all(torch.equal(a, b) for a, b in zip(*runs))
+    chosen = topk(iq, ik, iw, layout.query_lo, layout.query_hi, n_sel)
+    if not reference:
+        reference.update(out=runs[0][0], dq=runs[0][1], dkv=runs[0][2], topk=chosen)
+        return
+    res["rel_err"] = max(_rel_err(x, reference[k]) for k, x in zip(("out", "dq", "dkv"), runs[0]))
+    ref = reference["topk"]
+    same = [len(set(a.tolist()) & set(b.tolist())) / max(1, (b >= 0).sum().item())
+            for a, b in zip(chosen[::97], ref[::97])]
+    res["topk_overlap"] = sum(same) / len(same)
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    head = " | ".join(f"{stage + ' ms':>10} {'MiB':>10}" for stage in STAGES)
-    print(f"{'s':>6} {'path':>8} | {head} | ratio time/mem (megatron / ours)")
+def print_table(rows: list[dict[str, Any]], backends: list[str]) -> None:
+    print(f"{'s':>6} {'backend':>9} | {'topk ms':>8} | {'fwd ms':>8} {'TF/s':>6} | "
+          f"{'fwdbwd ms':>9} {'TF/s':>6} {'MiB':>7} | {'rel_err':>8} det")
     for row in rows:
-        for path in ("ours", "megatron"):
-            cells = [_cell(row[path][stage]) if stage in row[path] else f"{'-':>10} {'-':>10}"
-                     for stage in STAGES]
-            extra = ""
-            if path == "ours":
-                ratios = [row[path][stage].get("ratio", {}) for stage in STAGES]
-                extra = "  ".join(
-                    f"{stage}: {_ratio(r.get('time'))}/{_ratio(r.get('mem'))}"
-                    for stage, r in zip(STAGES, ratios))
-            elif "max_abs_diff" in row:
-                extra = f"max |ours - megatron| = {row['max_abs_diff']}"
-            print(f"{row['s']:>6} {path:>8} | {' | '.join(cells)} | {extra}")
+        fl = row["floor"]
+        print(f"{row['s']:>6} {'floor':>9} | {'':>8} | {fl['fwd_ms']:>8.2f} {'':>6} | "
+              f"{fl['fwdbwd_ms']:>9.2f}")
+        for b in backends:
+            r = row[b]
+            if "error" in r:
+                print(f"{row['s']:>6} {b:>9} | {r['error'][:90]}")
+                continue
 
+            def f(key: str, fmt: str) -> str:
+                v = r.get(key)
+                return format(v, fmt) if v is not None else "-"
 
-def _ratio(x: Optional[float]) -> str:
-    return "-" if x is None else f"{x:.2f}"
+            print(f"{row['s']:>6} {b:>9} | {f('topk_ms', '8.2f'):>8} | {f('fwd_ms', '8.2f'):>8} "
+                  f"{f('fwd_tflops', '6.0f'):>6} | {f('fwdbwd_ms', '9.2f'):>9} "
+                  f"{f('fwdbwd_tflops', '6.0f'):>6} {f('fwdbwd_peak_mib', '7.0f'):>7} | "
+                  f"{f('rel_err', '8.1e'):>8} {r.get('bitwise_deterministic', '-')}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="glm5")
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU)")
     parser.add_argument("--seq", type=int, nargs="+",
-                        help="sequence lengths (default 4096 8192 16384 32768; small: 128 256)")
-    parser.add_argument("--repeats", type=int, default=3)
+                        help="sequence lengths (default 4096 8192 16384 32768; small: 64 128)")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=756.0)
     args = parser.parse_args()
 
     _cpu.install()
@@ -216,20 +273,18 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    shape = SMALL if args.small else GLM5
-    seqs = args.seq or ([128, 256] if args.small else [4096, 8192, 16384, 32768])
-
-    rows = [bench_length(shape, s, args.repeats, device, dtype) for s in seqs]
-    print_table(rows)
-    result = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "dtype": str(dtype),
-        "shape": shape.__dict__,
-        "rows": rows,
-    }
+    shape = SMALL if args.small else SHAPES[args.shape]
+    seqs = args.seq or ([64, 128] if args.small else [4096, 8192, 16384, 32768])
+    backends = ["torch"] + [b for b in args.backends if b != "torch"]  # torch is the reference
+    rows = [bench_length(shape, s, backends, args.repeats, device, dtype, args.peak_tflops)
+            for s in seqs]
+    print_table(rows, backends)
+    result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype),
+              "shape": "small" if args.small else args.shape, "shape_dims": asdict(shape),
+              "peak_tflops": args.peak_tflops, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(result, f, indent=1)
     print(f"wrote {args.out}")
 
 

@@ -7,8 +7,9 @@ keys of 512 + 64 channels; bf16 on GPU):
     topk     indexer forward (projections, pooling, chunked top-k) without grad
     fwd+bwd  indexer forward + KL indexer loss + backward
 
-time (median of ``--repeats`` after one warm-up) and extra peak GPU memory (peak minus what was
-allocated before the step), and their ratios to kpool = 1. Megatron-core's
+with each ``--kernels`` backend of ``model.dsa_kernels`` (torch by default), time (median of
+``--repeats`` after one warm-up) and extra peak GPU memory (peak minus what was
+allocated before the step), and their ratios to kpool = 1 with the same kernels. Megatron-core's
 ``fused_qk_topk_naive`` (plain DSA, materialises [b, s, h, s]) runs side by side at each length;
 out-of-memory is caught and reported. Prints a table and writes JSON to ``--out``.
 
@@ -49,7 +50,7 @@ SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=4
               main_heads=4, main_dim=24, chunk=64)
 
 
-def _config(shape: Shape, kpool: int, dtype: torch.dtype):
+def _config(shape: Shape, kpool: int, dtype: torch.dtype, kernels: str):
     from kpool_layers.config import GLMTransformerConfig
 
     return GLMTransformerConfig(
@@ -59,7 +60,7 @@ def _config(shape: Shape, kpool: int, dtype: torch.dtype):
         dsa_indexer_head_dim=shape.index_dim, dsa_indexer_topk=shape.topk, dsa_indexer_scoring_relu=True,
         dsa_indexer_loss_coeff=1.0, dsa_indexer_query_chunk_size=shape.chunk, dsa_indexer_kpool=kpool,
         dsa_indexer_kpool_always_select_tail=kpool > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not torch.cuda.is_available(), dsa_kernels=kernels,
     )
 
 
@@ -77,12 +78,13 @@ def _rotary(s: int, dim: int, device: torch.device, dtype: torch.dtype) -> Calla
     return apply
 
 
-def bench_indexer(shape: Shape, s: int, kpool: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
+def bench_indexer(shape: Shape, s: int, kpool: int, kernels: str, repeats: int, device: torch.device,
+                  dtype: torch.dtype) -> dict:
     from kpool_layers.indexer import DSAIndexer
     from kpool_layers.indexer_loss import indexer_kl_loss
 
     torch.manual_seed(0)
-    indexer = DSAIndexer(_config(shape, kpool, dtype), layer_number=1).to(device)
+    indexer = DSAIndexer(_config(shape, kpool, dtype, kernels), layer_number=1).to(device)
     hidden = torch.randn(s, 1, shape.hidden, device=device, dtype=dtype)
     latent = torch.randn(s, 1, shape.q_lora, device=device, dtype=dtype)
     main_q = torch.randn(s, 1, shape.main_heads, shape.main_dim, device=device, dtype=dtype)
@@ -99,7 +101,8 @@ def bench_indexer(shape: Shape, s: int, kpool: int, repeats: int, device: torch.
         indexer_kl_loss(indexer, out, main_q, main_k, shape.main_dim**-0.5, sparse=True).backward()
         indexer.zero_grad(set_to_none=True)
 
-    return {"s": s, "kpool": kpool, "topk": measure(topk, repeats, cuda), "fwd_bwd": measure(fwd_bwd, repeats, cuda)}
+    return {"s": s, "kpool": kpool, "kernels": kernels, "topk": measure(topk, repeats, cuda),
+            "fwd_bwd": measure(fwd_bwd, repeats, cuda)}
 
 
 def bench_megatron_naive(shape: Shape, s: int, repeats: int, device: torch.device, dtype: torch.dtype) -> dict:
@@ -127,7 +130,7 @@ def _fmt(x: Optional[float], spec: str = ".1f") -> str:
 
 
 def print_table(rows: list[dict], naive: list[dict]) -> None:
-    print(f"{'s':>6} {'kpool':>5} | {'topk ms':>9} {'MiB':>9} {'x k1':>5} {'mem':>5} | "
+    print(f"{'s':>6} {'kpool':>5} {'kernels':>8} | {'topk ms':>9} {'MiB':>9} {'x k1':>5} {'mem':>5} | "
           f"{'fwd+bwd ms':>10} {'MiB':>9} {'x k1':>5} {'mem':>5}")
     for r in rows:
         cells = []
@@ -136,18 +139,18 @@ def print_table(rows: list[dict], naive: list[dict]) -> None:
             cells.append("OOM" if m["oom"] else
                          f"{_fmt(m['ms']):>9} {_fmt(m['peak_mib']):>9} {_fmt(m.get('time_vs_kpool1'), '.2f'):>5} "
                          f"{_fmt(m.get('mem_vs_kpool1'), '.2f'):>5}")
-        print(f"{r['s']:>6} {r['kpool']:>5} | {cells[0]} | {cells[1]}")
+        print(f"{r['s']:>6} {r['kpool']:>5} {r['kernels']:>8} | {cells[0]} | {cells[1]}")
     for r in naive:
         m = r["topk"]
-        print(f"{r['s']:>6} {'naive':>5} | " + ("OOM" if m["oom"] else f"{_fmt(m['ms']):>9} {_fmt(m['peak_mib']):>9}")
+        print(f"{r['s']:>6} {'naive':>5} {'':>8} | " + ("OOM" if m["oom"] else f"{_fmt(m['ms']):>9} {_fmt(m['peak_mib']):>9}")
               + "   (megatron fused_qk_topk_naive, plain DSA)")
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    base = {r["s"]: r for r in rows if r["kpool"] == 1}
+    base = {(r["s"], r["kernels"]): r for r in rows if r["kpool"] == 1}
     for r in rows:
         for key in ("topk", "fwd_bwd"):
-            ref, m = base.get(r["s"], {}).get(key), r[key]
+            ref, m = base.get((r["s"], r["kernels"]), {}).get(key), r[key]
             if ref and ref["ms"] and m["ms"]:
                 m["time_vs_kpool1"] = m["ms"] / ref["ms"]
             if ref and ref["peak_mib"] and m["peak_mib"] is not None:
@@ -160,6 +163,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny shapes (runs on CPU)")
     parser.add_argument("--seq", type=int, nargs="+", help="sequence lengths (default 8192 16384; small: 128 256)")
     parser.add_argument("--kpool", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--kernels", nargs="+", default=["torch"],
+                        choices=["torch", "tilelang", "triton"], help="model.dsa_kernels backends")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
@@ -173,8 +178,9 @@ def main() -> None:
 
     rows, naive = [], []
     for s in seqs:
-        for kpool in args.kpool:
-            rows.append(bench_indexer(shape, s, kpool, args.repeats, device, dtype))
+        for kernels in args.kernels:
+            for kpool in args.kpool:
+                rows.append(bench_indexer(shape, s, kpool, kernels, args.repeats, device, dtype))
         naive.append(bench_megatron_naive(shape, s, args.repeats, device, dtype))
     _add_ratios(rows)
     print_table(rows, naive)

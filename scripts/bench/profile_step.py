@@ -1,26 +1,34 @@
 """Profile training steps of a composed config and print where the time goes.
 
-    python scripts/bench/profile_step.py experiment=glm5_proxy_h200 [overrides...] [--steps 2]
+    python scripts/bench/profile_step.py experiment=glm5_proxy_h200 [overrides...] [--steps 2] \
+        [--out step.json] [--peak-tflops 756]
 
-Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one warm-up step and
-``--steps`` profiled steps with ``torch.profiler``, prints the top operators by self device time
-(self CPU time on CPU) and the per-step wall time.
+Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one warm-up step, then
+``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s and MFU from
+:class:`recipes.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
+memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernel launches per step and
+per micro-batch, the top operators by self device time, self CPU time on CPU). ``--out`` writes
+the figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from torch.autograd import DeviceType
 
 from recipes import data as data_lib
 from recipes import distributed, loop
 from recipes.distributed import register_resolvers
+from recipes.dry_run import flop_model
 from recipes.schema import register_configs
 
 
@@ -28,6 +36,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--peak-tflops", type=float, default=756.0,
+                        help="the GPU's dense bf16 rate for MFU (H200 measured: 756)")
     args, overrides = parser.parse_known_args()
     register_resolvers()
     register_configs()
@@ -60,15 +71,37 @@ def main() -> None:
         return time.perf_counter() - start
 
     print(f"warm-up step {step():.2f} s")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    plain = [step() for _ in range(args.steps)]
+    step_s = statistics.median(plain)
+    tokens = cfg.train.global_batch_size * cfg.data.seq_length
+    tflops = tokens * flop_model(cfg).per_token(cfg.data.seq_length) / step_s / 1e12
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         times = [step() for _ in range(args.steps)]
-    print("profiled steps (s):", " ".join(f"{t:.2f}" for t in times))
+    launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA) / args.steps
+    figures = {
+        "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
+        "mfu": tflops / args.peak_tflops, "peak_tflops": args.peak_tflops,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "launches_per_step": launches,
+        "launches_per_microbatch": launches / trainer.num_microbatches,
+        "profiled_steps_s": times, "overrides": overrides,
+    }
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    figures["top_ops"] = [
+        {"name": e.key, "self_device_ms": e.self_device_time_total / 1e3 / args.steps,
+         "count_per_step": e.count / args.steps}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]]
+    print(" ".join(f"{k}={v:.4g}" for k, v in figures.items() if isinstance(v, float)))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(figures, indent=1))
     distributed.shutdown()
 
 
