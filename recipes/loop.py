@@ -206,8 +206,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     trainer = _build(cfg)
     progress = ckpt.Progress()
     if plan.path is not None:
-        progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
-        _print0(f"resumed from {plan.path} at step {progress.step}")
+        loaded, progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
+        _print0(f"resumed from {loaded} at step {progress.step}")
         if dist.get_rank() == 0:
             resume_lib.trim_metrics(run_dir, progress.step)
     elif t.load:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from recipes import checkpoint as ckpt
 from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest, verify
@@ -171,28 +172,30 @@ def check_load(cfg: Any) -> list[str]:
 
 
 def resume(plan: ResumePlan, model: Any, optimizer: Any, scheduler: Any,
-           say: Callable[[str], None]) -> ckpt.Progress:
+           say: Callable[[str], None]) -> tuple[Path, ckpt.Progress]:
     """Load ``plan.path``; under ``resume=auto`` a checkpoint that fails to load is named and the
-    previous complete one is used instead."""
-    assert plan.path is not None
+    previous complete one is used instead. Returns the checkpoint loaded and its progress."""
     order = [plan.path, *plan.fallbacks]
     for i, path in enumerate(order):
         try:
             if i > 0:
+                notes: list[str] = []
                 verify(path)
-                _check_config(path, read_manifest(path), plan.owner.config, resume=True,
-                              messages=plan.messages)
-            return ckpt.load_checkpoint(path, model, optimizer, scheduler)
+                _check_config(path, read_manifest(path), plan.owner.config, resume=True, messages=notes)
+                for note in notes:
+                    say(note)
+            return path, ckpt.load_checkpoint(path, model, optimizer, scheduler)
         except CheckpointError as err:
             failure: Exception = err
-        except Exception as err:  # megatron / torch DCP read errors
-            failure = CheckpointError(f"{path} failed to load: {type(err).__name__}: {err}")
+        except (Exception, CheckpointException) as err:  # megatron / torch DCP read errors
+            last_line = (str(err).strip().splitlines() or [""])[-1]  # DCP wraps a whole traceback
+            failure = CheckpointError(f"{path} failed to load: {type(err).__name__}: {last_line}")
         if plan.explicit or i == len(order) - 1:
             prev = _previous(path)
             offer = f"; the previous complete checkpoint is train.resume={prev}" if prev else ""
             raise CheckpointError(f"{failure}{offer}") from failure
         say(f"checkpoint {path} is unusable ({failure}); resuming from {order[i + 1]} instead")
-    raise AssertionError("unreachable")
+    raise CheckpointError("no checkpoint to resume from")  # only when plan.path is None
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:

@@ -140,6 +140,15 @@ def test_corrupted_checkpoint_is_named_and_the_previous_one_is_used(run_copy: Pa
     assert "__0_0.distcp: checksum mismatch" in out and "at step 2" in out
 
 
+def test_checkpoint_that_fails_to_load_is_named_and_the_previous_one_is_used(run_copy: Path, train: Train) -> None:
+    """A checkpoint without a manifest (written before manifests) can only fail in the loader."""
+    ckpt = run_copy / "checkpoints" / "iter_0000003"
+    (ckpt / "kpool_manifest.json").unlink()
+    (ckpt / "__0_0.distcp").write_bytes(b"")
+    out = train(run_copy, "train.steps=4")
+    assert f"checkpoint {ckpt} is unusable" in out and "resuming from" in out and "at step 2" in out
+
+
 def test_truncated_or_missing_files_everywhere_is_an_error_not_a_restart(run_copy: Path, train: Train) -> None:
     root = run_copy / "checkpoints"
     for ckpt in root.glob("iter_*"):
