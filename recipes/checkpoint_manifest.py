@@ -17,6 +17,7 @@ keeps its checkpoint's); pruning only ever touches checkpoints of the current li
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -51,6 +52,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message names the file or key and the fix."""
 
 
+@functools.cache
 def code_version() -> str:
     """``git describe`` of the recipes' checkout, else the installed package version."""
     try:

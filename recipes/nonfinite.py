@@ -20,15 +20,17 @@ class NonFiniteError(FloatingPointError):
 
 
 def grads_finite(ddp: Any) -> bool:
-    """Whether every gradient in megatron DDP's buffers is finite on every rank (collective)."""
+    """Whether every gradient in megatron DDP's buffers is finite on every rank (collective; one
+    host sync). With the distributed optimizer a rank's buffer holds its reduced shard and its own
+    unreduced gradients elsewhere, so a non-finite value anywhere shows up on some rank."""
     buffers = list(getattr(ddp, "buffers", [])) + list(getattr(ddp, "expert_parallel_buffers", []))
-    bad = any(not torch.isfinite(b.grad_data).all() for b in buffers)
+    device = buffers[0].grad_data.device if buffers else torch.device("cpu")
+    bad = torch.zeros(1, dtype=torch.int32, device=device)
+    for b in buffers:
+        bad |= (~torch.isfinite(b.grad_data).all()).to(torch.int32)
     if dist.is_initialized():
-        device = buffers[0].grad_data.device if buffers else torch.device("cpu")
-        flag = torch.tensor([int(bad)], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        bad = bool(flag.item())
-    return not bad
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    return not bool(bad.item())
 
 
 class NonFiniteGuard:
