@@ -125,7 +125,7 @@ class Owner:
 def _write_in_process() -> None:
     """Give megatron's file writer an in-process results queue (the save is synchronous), so it
     starts no ``multiprocessing`` manager process that a killed trainer would leave orphaned."""
-    if filesystem_async._results_queue is None:
+    if not isinstance(filesystem_async._results_queue, queue.Queue):
         filesystem_async._results_queue = queue.Queue()
 
 
@@ -149,12 +149,15 @@ def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, schedul
     write_manifest(tmp, config=owner.config, lineage=owner.lineage, step=progress.step)
     _barrier()
     if _is_rank0():
+        replaced = root / (final.name + ".replaced")  # a complete checkpoint until the new one is in place
         if final.exists():
-            shutil.rmtree(final)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
         marker_tmp = root / (LATEST + ".tmp")
         marker_tmp.write_text(final.name)
         os.replace(marker_tmp, root / LATEST)
+        shutil.rmtree(replaced, ignore_errors=True)
         prune(root, keep, owner.lineage)
     _barrier()
     return final

@@ -284,9 +284,9 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     if requeued:
         raise Requeued()
     if status == "preempted":
-        raise Preempted(f"preempted by {guard.signal_name or 'another rank'} at step {progress.step}; "
-                        f"checkpoint in {ckpt_root}. Resume with the same command and "
-                        f"KPOOL_RUN_ID={run_dir.name} (train.resume=auto), or train.resume={path}")
+        raise Preempted(f"preempted by {guard.signal_name or 'another rank'} at step {progress.step}, "
+                        f"checkpoint {path} saved; resume with train.resume={path} (or rerun into the "
+                        f"same run directory {run_dir} with train.resume=auto)")
     return loss
 
 
