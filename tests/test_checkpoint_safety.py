@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import pytest
 from hydra import compose, initialize_config_dir
