@@ -6,9 +6,9 @@
   is an error, never a silent restart.
 * ``train.resume=<dir>`` must verify and load; a failure names the file and offers the previous
   complete checkpoint of that directory.
-* A run that does not resume from a checkpoint of its own save directory (``resume=none``, or a
-  checkpoint elsewhere) refuses a save directory that already holds checkpoints, unless
-  ``train.overwrite=true``.
+* A run that saves and does not resume from a checkpoint of its own save directory
+  (``resume=none``, or a checkpoint elsewhere) refuses a save directory that already holds
+  checkpoints, unless ``train.overwrite=true``.
 * The saved config must agree with the current one in every shape-relevant key.
 """
 
@@ -148,7 +148,8 @@ def plan_resume(cfg: Any, root: Path) -> ResumePlan:
             raise CheckpointError(f"{err}{offer}") from err
     own = path is not None and path.resolve().parent == root.resolve()
     existing = ckpt.checkpoint_dirs(root)
-    if existing and not own and not t.overwrite:
+    saves = bool(t.save_interval or t.save_final)
+    if existing and not own and saves and not t.overwrite:
         raise CheckpointError(
             f"{root} already holds checkpoints ({', '.join(p.name for p in existing[-3:])}) of another "
             f"run and train.resume={t.resume}: a fresh run would mix its checkpoints with them. Use "
