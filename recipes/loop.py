@@ -245,7 +245,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
             loss = _reduce_loss(reports)
-            grad_norm = None
+            grad_norm: Optional[float] = math.nan  # logged as such when the update is skipped
             if nonfinite.apply_step(progress.step + 1, loss, trainer.model,
                                     f"the last checkpoint in {ckpt_root} holds the last saved state"):
                 _, grad_norm, _ = trainer.optimizer.step()
