@@ -11,6 +11,9 @@
 * :func:`save_lazy_dist_checkpoint` - writes what ``dist_checkpointing.save`` would write for a
   sharded state dict whose tensors live on the ``meta`` device, asking ``materialize(name)`` for
   each real tensor only when torch DCP writes it (serially, one at a time).
+* :func:`atomic_output_dir` - conversion output goes to a temporary directory that is renamed into
+  place when complete; a non-empty target is refused unless forced.
+* :func:`check_stored_shapes` - every tensor a model expects is in a dist checkpoint, same shape.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import shutil
 import struct
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -124,9 +128,10 @@ class HFReader:
         else:
             raise FileNotFoundError(f"{self.dir}: neither model.safetensors.index.json nor model.safetensors")
 
-    def config(self) -> dict[str, Any]:
-        """The checkpoint's ``config.json``."""
-        return json.loads((self.dir / "config.json").read_text())
+    def config(self) -> dict[str, Any] | None:
+        """The checkpoint's ``config.json`` (``None`` when there is none)."""
+        path = self.dir / "config.json"
+        return json.loads(path.read_text()) if path.is_file() else None
 
     def names(self) -> set[str]:
         """Tensor names, FP8 scales excluded (they belong to their weight)."""
@@ -342,3 +347,53 @@ def stored_dtypes(directory: str | os.PathLike) -> dict[str, torch.dtype]:
 
     meta = dcp.FileSystemReader(str(directory)).read_metadata()
     return {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if hasattr(v, "properties")}
+
+
+@contextmanager
+def atomic_output_dir(target: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+    """A fresh temporary directory next to ``target`` that becomes ``target`` when the block
+    succeeds (and is removed when it fails). A non-empty ``target`` is refused before any work
+    unless ``force``, which replaces it only once the new one is complete."""
+    target = Path(target)
+    if target.exists() and not force and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} exists and is not empty: refusing to overwrite it "
+                              "(choose another output directory, or pass --force to replace it)")
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        os.replace(target, old)
+    os.replace(tmp, target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_stored_shapes(sharded: dict[str, Any], directory: str | os.PathLike) -> None:
+    """Raise naming every tensor of ``sharded`` (a model's sharded state dict) that the torch_dist
+    checkpoint ``directory`` lacks or stores with another global shape (no padding, no cropping)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory, apply_factories
+
+    stored = dcp.FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    problems = []
+    for entry in sharded.values():
+        if not isinstance(entry, (ShardedTensor, ShardedTensorFactory)):
+            continue
+        built = {"x": copy.copy(entry)}
+        apply_factories(built)
+        for sh in _flatten(built):
+            want = tuple(sh.global_shape)
+            have = getattr(stored.get(sh.key), "size", None)
+            vocab = " (model.vocab_size)" if "word_embeddings" in sh.key or "output_layer" in sh.key else ""
+            if have is None:
+                problems.append(f"{sh.key}: not in the checkpoint")
+            elif tuple(have) != want:
+                problems.append(f"{sh.key}: checkpoint {tuple(have)}, model {want}{vocab}")
+    if problems:
+        raise ValueError(f"{directory} does not match the model config ({len(problems)} tensors): "
+                         + "; ".join(sorted(set(problems))[:10]))

@@ -33,13 +33,16 @@ from kpool_layers.config import GLMTransformerConfig
 from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
+from recipes import resume as resume_lib
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
 from recipes.model import build_gpt_model
+from recipes.nonfinite import NonFiniteGuard, json_safe
 from recipes.precision_setup import kernel_rows, report_precision, setup_precision
-from recipes.preemption import PreemptionGuard, Requeued
+from recipes.preemption import Preempted, PreemptionGuard, Requeued
+from recipes.preflight import preflight
 from recipes.schema import validate
 
 
@@ -56,12 +59,13 @@ class Trainer:
 
 
 def write_result(run_dir: Path, **fields: Any) -> None:
-    """``result.json`` (rank 0 only), read by the sweep summary and the SLURM tests."""
+    """``result.json`` (rank 0 only), read by the sweep summary and the SLURM tests; always valid
+    JSON (a non-finite loss is ``null``)."""
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / "result.json.tmp"
-    tmp.write_text(json.dumps(fields, indent=1))
+    tmp.write_text(json.dumps(json_safe(fields), indent=1, allow_nan=False))
     tmp.replace(run_dir / "result.json")
 
 
@@ -73,6 +77,8 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
     try:
         validate(cfg, planned if cfg.train.dry_run else topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
+        if not cfg.train.dry_run:
+            preflight(cfg, resume_lib.checkpoint_root(cfg, run_dir))
     except ValueError as err:
         if topo.rank == 0:
             write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],
@@ -84,7 +90,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
             dry_run(cfg)
             return math.nan
         final = _train(cfg, run_dir, overrides or [], tokenizer)
-    except Requeued:
+    except (Requeued, Preempted):
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
         write_result(run_dir, status="failed", error=f"{type(err).__name__}: {err}",
@@ -194,13 +200,17 @@ def _reduce_loss(reports: list[dict]) -> float:
 
 def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase) -> float:
     t = cfg.train
+    plan = resume_lib.plan_resume(cfg, resume_lib.checkpoint_root(cfg, run_dir))  # before the build
+    ckpt_root = plan.root
+    for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
+        _print0(message)
     trainer = _build(cfg)
-    ckpt_root = Path(t.save) if t.save else run_dir / "checkpoints"
     progress = ckpt.Progress()
-    resume_from = _resume_path(t.resume, ckpt_root)
-    if resume_from is not None:
-        progress = ckpt.load_checkpoint(resume_from, trainer.model, trainer.optimizer, trainer.scheduler)
-        _print0(f"resumed from {resume_from} at step {progress.step}")
+    if plan.path is not None:
+        loaded, progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
+        _print0(f"resumed from {loaded} at step {progress.step}")
+        if dist.get_rank() == 0:
+            resume_lib.trim_metrics(run_dir, progress.step)
     elif t.load:
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
@@ -214,6 +224,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)
     guard = PreemptionGuard()
+    nonfinite = NonFiniteGuard(t.nonfinite_skip)
     fwd_bwd = get_forward_backward_func()
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
@@ -234,9 +245,15 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
                 forward_only=False,
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
-            _, grad_norm, _ = trainer.optimizer.step()
-            trainer.scheduler.step(increment=t.global_batch_size)
             loss = _reduce_loss(reports)
+            grad_norm: Optional[float] = math.nan  # logged as such when the update is skipped
+            if nonfinite.apply_step(progress.step + 1, loss, trainer.model,
+                                    f"the last checkpoint in {ckpt_root} holds the last saved state"):
+                _, grad_norm, _ = trainer.optimizer.step()
+                trainer.scheduler.step(increment=t.global_batch_size)
+            else:
+                _print0(f"step {progress.step + 1}: non-finite loss or gradients, update skipped "
+                        f"({nonfinite.skipped}/{t.nonfinite_skip} of train.nonfinite_skip)")
             progress.step += 1
             progress.consumed_samples += t.global_batch_size
             step_time = time.perf_counter() - start
@@ -248,7 +265,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
             stop = guard.should_stop()
             if stop or (t.save_interval and progress.step % t.save_interval == 0):
                 path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
-                                            trainer.scheduler, progress, t.keep_checkpoints)
+                                            trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
                 _print0(f"saved checkpoint {path}")
             if stop:
                 status = "preempted"
@@ -258,27 +275,20 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
         saved_last = t.save_interval and progress.step % t.save_interval == 0
         if status == "completed" and t.save_final and not saved_last:
             path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
-                                        trainer.scheduler, progress, t.keep_checkpoints)
+                                        trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
             _print0(f"saved checkpoint {path}")
     finally:
+        guard.close()
         logger.close()
     write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
                  steps=progress.step)
     if requeued:
         raise Requeued()
+    if status == "preempted":
+        raise Preempted(f"preempted by {guard.signal_name or 'another rank'} at step {progress.step}, "
+                        f"checkpoint {path} saved; resume with train.resume={path} (or rerun into the "
+                        f"same run directory {run_dir} with train.resume=auto)")
     return loss
-
-
-def _resume_path(resume: str, root: Path) -> Optional[Path]:
-    if resume == "none":
-        return None
-    if resume == "auto":
-        return ckpt.latest_checkpoint(root)
-    path = Path(resume)
-    if not path.is_dir():
-        raise FileNotFoundError(f"train.resume={resume!r}: no such checkpoint directory; "
-                                "allowed: auto, none or an existing checkpoint directory")
-    return path
 
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],

@@ -1,7 +1,8 @@
 """Graceful stop on preemption and time-limit signals, and self-requeue under SLURM.
 
 SLURM announces the end of a job with a signal (``#SBATCH --signal=USR1@120`` in
-``slurm/train.sbatch``; SIGTERM on ``scancel`` or preemption). :class:`PreemptionGuard` turns that
+``slurm/train.sbatch``; SIGTERM on ``scancel`` or preemption); Ctrl-C (SIGINT) is handled the same
+way (a second Ctrl-C interrupts at once). :class:`PreemptionGuard` turns that
 signal into a flag; the training loop asks :meth:`PreemptionGuard.should_stop` once per step on
 every rank, which agrees on the answer across ranks (MAX all-reduce) so that all ranks stop after
 the same step; the loop then saves a checkpoint and calls :meth:`PreemptionGuard.requeue`, which
@@ -18,6 +19,7 @@ the checkpoint up::
     write_result(...)
     if requeued:
         raise Requeued()   # not a normal return: see :class:`Requeued`
+    raise Preempted("preempted ..., resume with ...")   # outside SLURM: exit status 1
 """
 
 from __future__ import annotations
@@ -50,6 +52,14 @@ class Requeued(SystemExit):
 
     def __init__(self) -> None:
         super().__init__(0)
+
+
+class Preempted(SystemExit):
+    """Ends a run that stopped on a signal and was not requeued (outside SLURM) with exit status 1
+    and a message saying how to resume; ``result.json`` already says ``preempted``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
 
 
 def _parse_signals(names: Sequence[str]) -> list[signal.Signals]:
@@ -95,20 +105,30 @@ class PreemptionGuard:
     """
 
     def __init__(
-        self, signals: Sequence[str] = ("SIGUSR1", "SIGTERM"), enabled: bool = True
+        self, signals: Sequence[str] = ("SIGUSR1", "SIGTERM", "SIGINT"), enabled: bool = True
     ) -> None:
         parsed = _parse_signals(signals)
         self._enabled = enabled
         self._received: Optional[str] = None
         self._announced = False
+        self._previous: dict[signal.Signals, object] = {}
         if enabled:
             for sig in parsed:
-                signal.signal(sig, self._on_signal)
+                self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: Optional[FrameType]) -> None:
-        """Signal handler: remembers the first signal, nothing else (it runs between bytecodes)."""
+        """Signal handler: remembers the first signal (it runs between bytecodes); a second SIGINT
+        (Ctrl-C twice) interrupts at once."""
         if self._received is None:
             self._received = signal.Signals(signum).name
+        elif signum == signal.SIGINT:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        """Restore the handlers that were installed before this guard."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
 
     @property
     def signal_name(self) -> Optional[str]:

@@ -261,6 +261,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     dry_run: bool = False
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
+    # Checkpoint safety (issue #14; recipes/resume.py, recipes/nonfinite.py).
+    overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
+    nonfinite_skip: int = 0  # steps with NaN/inf loss or grads skipped before the run stops
 
 
 class WandbMode(str, Enum):
@@ -400,6 +403,8 @@ def validate(cfg: Any, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _require(t.save_interval >= 0, "train.save_interval", t.save_interval, "0 (end only) or a positive step count")
     _require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
+    _require(t.nonfinite_skip >= 0, "train.nonfinite_skip", t.nonfinite_skip,
+             "0 (stop at the first non-finite step) or the number of such steps to skip")
     _require(t.log_interval >= 1, "train.log_interval", t.log_interval, "an integer >= 1")
     _validate_precision(cfg)
     _validate_kernels(cfg)

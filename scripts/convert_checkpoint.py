@@ -1,14 +1,21 @@
 """Convert GLM-5.x checkpoints between Hugging Face safetensors and our megatron dist checkpoints.
 
-    python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT
-    python scripts/convert_checkpoint.py export --ckpt CKPT --hf-out DIR [--model NAME|FILE.yaml] [--fp8]
+    python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT [--force]
+    python scripts/convert_checkpoint.py export --ckpt CKPT --hf-out DIR [--model NAME|FILE.yaml] [--fp8] [--force]
 
 ``import`` writes a torch_dist checkpoint with full (unsharded) tensors, which megatron's
 ``dist_checkpointing`` reshards on load to any TP/PP/EP: ``python train.py model=NAME
 train.load=CKPT`` (weights only). Without ``--model`` the ``model`` group is derived from the HF
-``config.json`` and printed; it is also saved as ``CKPT/model.yaml``, which ``export`` reads when
-``--model`` is not given. Both directions stream: one tensor (import) or one HF layer (export) is
-in memory at a time; tensors are written to disk as they come. See docs/hf_interop.md.
+``config.json`` and printed (``--model`` is required when there is no config.json); it is saved as
+``CKPT/model.yaml`` and in the checkpoint's manifest (``kpool_manifest.json``, with checksums).
+``export`` verifies the checkpoint's manifest, takes the model config from it (training
+checkpoints too) or from ``model.yaml`` when ``--model`` is not given, and checks every stored
+tensor shape (vocab included) against that model before writing anything.
+
+Output goes to a temporary directory renamed into place when complete; a non-empty output
+directory is refused unless ``--force``. Both outputs hold ``conversion.json`` naming their source.
+Both directions stream: one tensor (import) or one HF layer (export) is in memory at a time;
+tensors are written to disk as they come. See docs/hf_interop.md.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import json
 import os
 import re
 import sys
+import time
+import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -34,15 +43,19 @@ from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa
 from recipes.hf_io import (  # noqa: E402
     HFReader,
     HFWriter,
+    atomic_output_dir,
+    check_stored_shapes,
     mmap_large_allocations,
     quantize_fp8,
     save_lazy_dist_checkpoint,
     stored_dtypes,
 )
 from recipes.hf_mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
+from recipes.checkpoint_manifest import code_version, verify, write_manifest  # noqa: E402
 from recipes.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_YAML = "model.yaml"
+CONVERSION_JSON = "conversion.json"
 FP8_WEIGHTS = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj|wq_b|wk|gate_proj|up_proj|down_proj)\.weight$")
 """HF tensors ``export --fp8`` stores as block FP8 (the linears of attention, indexer and MLPs);
 embeddings, norms, router, indexer head weights, MTP ``eh_proj`` and KPool tensors stay as they are."""
@@ -53,7 +66,8 @@ def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name
     schema = OmegaConf.structured(ModelConfig)
     if model is None:
         if hf_config is None:
-            raise ValueError("--model is required: no HF config.json or model.yaml to derive it from")
+            raise ValueError("--model is required: no HF config.json, checkpoint manifest or model.yaml "
+                             "to derive the model config from")
         return OmegaConf.merge(schema, model_config_from_hf(hf_config, name))
     path = Path(model)
     if not path.is_file():
@@ -120,8 +134,23 @@ def _with_data(entry: Any, data: torch.Tensor) -> Any:
     return replace(entry, data=data)
 
 
-def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | None = None) -> DictConfig:
+def _record_source(directory: Path, direction: str, source: str | os.PathLike, model_cfg: DictConfig,
+                   **extra: Any) -> None:
+    """``conversion.json``: what this directory was converted from, by which code, when."""
+    record = {"direction": direction, "source": str(Path(source).resolve()), "code_version": code_version(),
+              "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "model": OmegaConf.to_container(model_cfg, enum_to_str=True), **extra}
+    (directory / CONVERSION_JSON).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | None = None,
+              force: bool = False) -> DictConfig:
     """HF checkpoint directory -> megatron dist checkpoint ``out``; returns the ``model`` group."""
+    with atomic_output_dir(out, force) as tmp:
+        return _import_into(hf_dir, tmp, model)
+
+
+def _import_into(hf_dir: str | os.PathLike, out: Path, model: str | None) -> DictConfig:
     reader = HFReader(hf_dir)
     model_cfg = model_group(model, reader.config())
     if model is None:
@@ -146,8 +175,11 @@ def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | No
         return tensor.to(dtypes[name])
 
     save_lazy_dist_checkpoint(sharded, out, materialize)
-    (Path(out) / MODEL_YAML).write_text(OmegaConf.to_yaml(model_cfg))
     reader.close()
+    (out / MODEL_YAML).write_text(OmegaConf.to_yaml(model_cfg))
+    _record_source(out, "import", hf_dir, model_cfg)
+    write_manifest(out, config={"model": OmegaConf.to_container(model_cfg, enum_to_str=True)},
+                   lineage=f"import-{uuid.uuid4().hex}", step=0)
     return model_cfg
 
 
@@ -184,15 +216,33 @@ def _export_group(writer: HFWriter, ckpt: str | os.PathLike, maps: list[TensorMa
                     writer.add(name, tensor)
 
 
+def checkpoint_model_group(ckpt: str | os.PathLike, model: str | None) -> DictConfig:
+    """``--model`` if given, else the model config in the checkpoint's manifest, else its
+    ``model.yaml``; the checkpoint's files are verified against its manifest first."""
+    manifest = verify(ckpt)
+    if model is not None:
+        return model_group(model)
+    saved = (manifest or {}).get("config", {}).get("model")
+    if saved is not None:
+        return OmegaConf.merge(OmegaConf.structured(ModelConfig), saved)
+    yaml = Path(ckpt) / MODEL_YAML
+    return model_group(str(yaml) if yaml.is_file() else None)
+
+
 def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | None = None,
-              fp8: bool = False, shard_bytes: int = 5 * 2**30) -> None:
+              fp8: bool = False, shard_bytes: int = 5 * 2**30, force: bool = False) -> None:
     """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json), one
     group (:func:`_hf_group`) in memory at a time."""
-    yaml = Path(ckpt) / MODEL_YAML
-    model_cfg = model_group(model if model is not None else (str(yaml) if yaml.is_file() else None))
+    with atomic_output_dir(hf_out, force) as tmp:
+        _export_into(ckpt, tmp, model, fp8, shard_bytes)
+
+
+def _export_into(ckpt: str | os.PathLike, hf_out: Path, model: str | None, fp8: bool, shard_bytes: int) -> None:
+    model_cfg = checkpoint_model_group(ckpt, model)
     mapping = build_mapping(model_cfg)
     sharded, shapes = meta_sharded_state_dict(model_cfg)
     _tensor_entries(sharded, mapping)
+    check_stored_shapes(sharded, ckpt)
     dtypes = stored_dtypes(ckpt)
     aliases_of: dict[str, list[str]] = {}
     for alias, target in mapping.aliases.items():
@@ -211,7 +261,8 @@ def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | N
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": [128, 128]}
-    (Path(hf_out) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (hf_out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _record_source(hf_out, "export", ckpt, model_cfg, fp8=fp8)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -221,18 +272,20 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
     imp.add_argument("--model", help="conf/model name or yaml file (default: derived from config.json)")
     imp.add_argument("--out", required=True, help="dist checkpoint directory to write")
+    imp.add_argument("--force", action="store_true", help="replace a non-empty --out")
     exp = sub.add_parser("export", help="megatron dist checkpoint -> HF safetensors")
     exp.add_argument("--ckpt", required=True, help="dist checkpoint directory (e.g. .../iter_0000100)")
     exp.add_argument("--hf-out", required=True, help="HF directory to write")
-    exp.add_argument("--model", help="conf/model name or yaml file (default: CKPT/model.yaml)")
+    exp.add_argument("--model", help="conf/model name or yaml file (default: from the checkpoint)")
+    exp.add_argument("--force", action="store_true", help="replace a non-empty --hf-out")
     exp.add_argument("--fp8", action="store_true", help="write block-FP8 (e4m3, 128x128 weight_scale_inv)")
     exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
     args = parser.parse_args(argv)
     mmap_large_allocations()
     if args.command == "import":
-        import_hf(args.hf, args.out, args.model)
+        import_hf(args.hf, args.out, args.model, args.force)
     else:
-        export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30))
+        export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
 
 
 if __name__ == "__main__":
