@@ -54,22 +54,28 @@ def pool_layout(
     t: int, kpool: int, cu_seqlens: Optional[Tensor] = None, device: Optional[torch.device] = None
 ) -> PoolLayout:
     """Pools of a row of ``t`` tokens; ``cu_seqlens`` (int [n_docs + 1], last entry ``t``) marks
-    packed documents, None means one document."""
+    packed documents, None means one document.
+
+    The document boundaries are read to the host once (none are read for one document), so
+    building a layout does not wait for the device more than once."""
     if cu_seqlens is None:
-        cu = torch.tensor([0, t], dtype=torch.long, device=device)
+        bounds = [0, t]
     else:
-        cu = cu_seqlens.to(device=device, dtype=torch.long)
-        if int(cu[-1]) != t or int(cu[0]) != 0:
-            raise ValueError(f"cu_seqlens must run from 0 to the row length {t}, got {cu.tolist()}")
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+        if bounds[-1] != t or bounds[0] != 0:
+            raise ValueError(f"cu_seqlens must run from 0 to the row length {t}, got {bounds}")
+    cu = torch.tensor(bounds, dtype=torch.long, device=device)
     dev = cu.device
     pools_per_doc = (cu[1:] - cu[:-1]) // kpool
     pool_cu = torch.cat([pools_per_doc.new_zeros(1), pools_per_doc.cumsum(0)])
+    n_pools = sum((b - a) // kpool for a, b in zip(bounds[:-1], bounds[1:]))
     tok = torch.arange(t, device=dev)
     doc = torch.searchsorted(cu[1:], tok, right=True)  # document of every token
     local = tok - cu[doc]
     seen = (local + 1) // kpool  # complete pools visible to the query
-    pool_doc = torch.repeat_interleave(torch.arange(pools_per_doc.numel(), device=dev), pools_per_doc)
-    pool_local = torch.arange(int(pool_cu[-1]), device=dev) - pool_cu[pool_doc]
+    pool_doc = torch.repeat_interleave(torch.arange(pools_per_doc.numel(), device=dev),
+                                       pools_per_doc, output_size=n_pools)
+    pool_local = torch.arange(n_pools, device=dev) - pool_cu[pool_doc]
     return PoolLayout(
         kpool=kpool,
         pool_start=cu[pool_doc] + pool_local * kpool,
