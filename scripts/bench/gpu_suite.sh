@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the benchmarks recorded in docs/benchmarks.md on one GPU machine.
-#   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]   parts: tests attention kpool train (default all)
+#   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]
+#   parts: tests attention kpool moe proxy train (default all); attention = both shapes, every
+#   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and serving_match
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
 shift
-parts=${*:-tests attention kpool train}
+parts=${*:-tests attention kpool moe proxy train}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 WANDB_SILENT=true
 py=${KPOOL_PYTHON:-python3}
@@ -22,9 +24,16 @@ run() {  # name, limit_s, command...
 }
 for part in $parts; do
   case $part in
-    tests) run gpu_tests 240 "$py" -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
-    attention) run bench_attention 300 "$py" scripts/bench/attention.py --out "$out/attention.json" ;;
-    kpool) run bench_kpool 300 "$py" scripts/bench/kpool.py --out "$out/kpool.json" ;;
+    tests) run gpu_tests 300 "$py" -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
+    attention) run bench_attention 300 "$py" scripts/bench/attention.py --repeats 3 --out "$out/attention_h200.json"
+               run bench_attention_kpool 240 "$py" scripts/bench/attention.py --shape glm5_kpool \
+                 --backends torch tilelang triton --repeats 3 --out "$out/kpool_h200.json" ;;
+    kpool) run bench_kpool 300 "$py" scripts/bench/kpool.py --kernels torch triton --seq 16384 --out "$out/kpool.json" ;;
+    moe) run bench_moe 120 "$py" scripts/bench/moe_experts.py --out "$out/moe.json" ;;
+    proxy) for p in bf16 fp8 serving_match; do
+             run "proxy_$p" 150 "$py" scripts/bench/profile_step.py experiment=glm5_proxy_h200 \
+               precision=$p train.global_batch_size=2 --steps 2 --out "$out/proxy_$p.json"
+           done ;;
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;
