@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from kpool_layers import fp8
+from kpool_layers.grouped_experts import GroupedExperts
 
 
 class Role(str, enum.Enum):
@@ -462,10 +463,24 @@ def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy, role_of: Ro
     Wrapping is by instance attribute over the class method; calling again first removes the
     previous routing, so a model can be re-routed under another policy.
     """
+    _refuse_fp8_grouped_experts(model, policy)
     backend = resolve_backend(policy.backend) if policy.fp8 else "none"
     for name, module, role in _roles(model, role_of):
         _route(name, module, role, policy, backend)
     return precision_map(model, policy, role_of)
+
+
+def _refuse_fp8_grouped_experts(model: torch.nn.Module, policy: PrecisionPolicy) -> None:
+    """Grouped experts have no per-expert linears to route: FP8 experts need ``SequentialMLP``."""
+    if not (policy.quantized(Role.MOE_EXPERT_FC1) or policy.quantized(Role.MOE_EXPERT_FC2)):
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            raise ValueError(
+                f"{name}: precision.fp8=true quantizes the routed experts (moe.expert_fc1/fc2), which "
+                "grouped experts (model.moe_grouped_gemm=true) do not support; set "
+                "model.moe_grouped_gemm=false or leave it null (auto picks per-expert linears with FP8)"
+            )
 
 
 def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
