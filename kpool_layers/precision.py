@@ -4,10 +4,12 @@
   with the named profiles ``bf16``, ``fp8`` and ``serving_match`` (FP8 training whose indexer path
   matches the FP8 serving engine).
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
-  (:mod:`kpool_layers.fp8`), on the ``torch`` (``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or
-  ``emulate`` (quantize-dequantize, any device) backend; straight-through backward.
+  (:mod:`kpool_layers.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
+  ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
+  backend; straight-through backward.
 * :func:`apply_precision` - routes every linear of a model, chosen by a ``role_of(name, module)``
-  callable, through the policy; :func:`precision_map` lists what it does.
+  callable, through the policy (grouped experts refuse FP8 experts); :func:`precision_map` lists
+  what it does.
 * :func:`fp8_autocast` - the Transformer Engine autocast for the ``te`` backend.
 
 Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
@@ -249,6 +251,17 @@ def _scaled_mm(
     return out[:m, :n]
 
 
+def quantizer(backend: str, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """How ``backend`` quantizes operands on ``x``'s device: ``torch`` on CUDA with the fused
+    Triton kernel (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for
+    tensorwise), otherwise :func:`kpool_layers.fp8.quantize`; both give the same bytes and scales."""
+    if backend == "torch" and x.is_cuda:
+        from kpool_layers.kernels import fp8_quant_triton
+
+        return fp8_quant_triton.quantize
+    return fp8.quantize
+
+
 class _QuantizedMatmul(torch.autograd.Function):
     """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
     computed in ``x``'s dtype from the dequantized operands (kept as e4m3 + scales)."""
@@ -256,8 +269,9 @@ class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, recipe, backend, scale_format):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = fp8.quantize(x2, recipe, "activation", scale_format)
-        wq, ws = fp8.quantize(w, recipe, "weight", scale_format)
+        quantize = quantizer(backend, x)
+        xq, xs = quantize(x2, recipe, "activation", scale_format)
+        wq, ws = quantize(w, recipe, "weight", scale_format)
         if backend == "torch":
             y = _scaled_mm(xq, xs, wq, ws, recipe)
         else:
