@@ -84,10 +84,13 @@ class GroupedExperts(MegatronModule):
             kwargs["device"] = torch.cuda.current_device()
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, self.glu * self.ffn_per_partition, hidden, **kwargs))
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, hidden, self.ffn_per_partition, **kwargs))
-        expert_parallel = config.expert_model_parallel_size > 1
+        # Expert process groups (megatron's DDP reduces over expert-DP, ``allreduce = False``) when
+        # experts are sharded otherwise than the dense layers, as megatron's expert linears decide.
+        expert_groups = (config.expert_model_parallel_size > 1
+                         or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
         for weight, dim, init in ((self.weight1, 1, config.init_method), (self.weight2, 2, config.output_layer_init_method)):
             set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
-            weight.allreduce = not expert_parallel  # megatron's DDP: expert-DP buffers when EP > 1
+            weight.allreduce = not expert_groups
             if config.perform_initialization and weight.device.type != "meta":
                 with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                     for w_e in weight.data.unbind(0):
