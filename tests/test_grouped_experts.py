@@ -46,41 +46,63 @@ def gamma(k: int) -> float:
     return k * U / (1 - k * U)
 
 
-def gemm_tol(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise bound between two summation orders of ``a [M, K] @ b [K, N]``."""
-    return 2 * gamma(a.shape[-1]) * (a.abs() @ b.abs())
+def gemm_tol(a: torch.Tensor, b: torch.Tensor, u_out: float = 0.0) -> torch.Tensor:
+    """Elementwise bound between a result of ``a [M, K] @ b [K, N]`` (FP32 accumulation, rounded
+    to a storage format of unit roundoff ``u_out``) and the FP32 product of the same operands."""
+    a, b = a.float(), b.float()
+    return 2 * gamma(a.shape[-1]) * (a.abs() @ b.abs()) + 2 * u_out * (a @ b).abs()
 
 
-def module_tolerances(x, probs, g, w1, w2, counts) -> dict[str, float]:
-    """Bounds on |grouped - sequential| for ``y = fc2(silu(gate) * up * p)`` and its gradients,
-    FP32. Each GEMM of reduction length ``K`` contributes ``2 gamma_K K max|a| max|b|`` (two
-    summation orders); an error ``d`` in a GEMM input reaches its output as ``K max|b| d``; the
-    SwiGLU is Lipschitz with ``|d a / d gate| <= 1.1 |up|``, ``|d a / d up| <= |silu(gate)| <= |gate|``
-    and its derivative with ``|silu''| <= 0.5``. Magnitudes come from a reference pass here."""
-    idx = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    h = torch.einsum("tk,tnk->tn", x, w1[idx])
+def module_tolerances(x, probs, g, w1, w2, counts, u_out: float = 0.0) -> dict[str, float]:
+    """Bounds on |grouped - sequential| for ``y = fc2(a)``, ``a = silu(gate) * up * p``, and its
+    gradients, from a reference pass in FP32 on the same inputs.
+
+    A GEMM ``C = A B`` (reduction length ``K``, FP32 accumulation) computed twice differs by at most
+    ``2 (gamma_K + u_out) max(|A| |B|)`` (summation orders, and one rounding of each result to the
+    storage format, unit roundoff ``u_out``: 0 for FP32, 2**-8 for BF16). An error ``d`` already in
+    ``A`` reaches ``C`` as ``max(d) * max row-L1 of B``. The SwiGLU passes an error ``e`` in ``h``
+    on as ``(1.1 |up| + |silu(gate)|) e`` (``|silu'| <= 1.1``) and its gradient as
+    ``|d_a| (0.5 |up| + 2.2) e`` (``|silu''| <= 0.5``); the BF16 casts of ``a`` and ``dh`` add
+    ``2 u_out`` of their magnitude. Products are first order (second-order terms are far below)."""
+    x, g, w1, w2 = (t.float() for t in (x, g, w1, w2))
+    p = probs.float()[:, None]
+    idx = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts.to(x.device))
+    w1t, w2t = w1[idx], w2[idx]  # per token: [T, 2F, H], [T, H, F]
+
+    def gemm(a: torch.Tensor, b: torch.Tensor, k: int) -> float:  # a [T, K], b [T, N, K]
+        return 2 * (gamma(k) + u_out) * float(torch.einsum("tk,tnk->tn", a.abs(), b.abs()).max())
+
+    hidden, ffn = x.shape[1], w2.shape[2]
+    h = torch.einsum("tk,tnk->tn", x, w1t)
     gate, up = h.chunk(2, dim=-1)
     act = F.silu(gate) * up
-    d_a = torch.einsum("tk,tkn->tn", g, w2[idx])  # dL/d(act * p)
-    hidden, ffn, tokens = x.shape[1], w2.shape[2], x.shape[0]
-    m = {k: float(v.abs().max()) for k, v in dict(x=x, g=g, w1=w1, w2=w2, h=h, act=act, d_a=d_a).items()}
-    m["a"] = m["act"]  # probs <= 1
-    lip = 2.1 * m["h"]
-    m["dh"] = 1.1 * m["h"] * m["d_a"]
+    a = act * p
+    d_a = torch.einsum("tk,tkn->tn", g, w2t)  # dL/da
+    dh = torch.cat([d_a * p * up * 1.1, d_a * p * F.silu(gate)], dim=-1).abs()  # |dh| bound
+    lip = float((1.1 * up.abs() + F.silu(gate).abs()).max())
+    e_h = gemm(x, w1t, hidden)
+    e_a = lip * e_h + 2 * u_out * float(a.abs().max())
+    e_da = gemm(g, w2t.transpose(1, 2), hidden)
+    e_dh = (lip * e_da + float(d_a.abs().max()) * (0.5 * float(up.abs().max()) + 2.2) * e_h
+            + 2 * u_out * float(dh.max()))
+    per_expert = torch.split(torch.arange(x.shape[0], device=x.device), counts.tolist())
 
-    def own(k: int, a: float, b: float) -> float:
-        return 2 * gamma(k) * k * a * b
+    def wgrad(left: torch.Tensor, right: torch.Tensor, e_right: float) -> float:
+        """Weight gradient ``left_e^T right_e`` per expert, ``right`` carrying error ``e_right``."""
+        worst = 0.0
+        for rows in per_expert:
+            if len(rows):
+                own = 2 * (gamma(len(rows)) + u_out) * float((left[rows].abs().t() @ right[rows].abs()).max())
+                worst = max(worst, own + float(left[rows].abs().sum(0).max()) * e_right)
+        return worst
 
-    e_h = own(hidden, m["x"], m["w1"])
-    e_a = lip * e_h
-    e_da = own(hidden, m["g"], m["w2"])
-    e_dh = 1.1 * m["h"] * e_da + m["d_a"] * (0.5 * m["h"] + 2.2) * e_h
     return {
-        "y": own(ffn, m["a"], m["w2"]) + ffn * m["w2"] * e_a,
-        "dx": own(2 * ffn, m["dh"], m["w1"]) + 2 * ffn * m["w1"] * e_dh,
-        "dw2": own(tokens, m["g"], m["a"]) + tokens * m["g"] * e_a,
-        "dw1": own(tokens, m["dh"], m["x"]) + tokens * m["x"] * e_dh,
-        "dprobs": own(ffn, m["d_a"], m["act"]) + ffn * (m["act"] * e_da + m["d_a"] * lip * e_h),
+        "y": gemm(a, w2t, ffn) + float(w2.abs().sum(-1).max()) * e_a,
+        "dx": gemm(dh, w1t.transpose(1, 2), 2 * ffn) + float(w1.abs().sum(-2).max()) * e_dh,
+        "dw2": wgrad(g, a, e_a),
+        "dw1": wgrad(dh, x, e_dh),
+        "dprobs": 2 * (gamma(ffn) + u_out) * float((d_a.abs() * act.abs()).sum(-1).max())
+        + float((act.abs() * e_da + d_a.abs() * lip * e_h).sum(-1).max()),
     }
 
 
@@ -104,28 +126,44 @@ def build_pair(cfg: TransformerConfig) -> tuple[SequentialMLP, GroupedExperts]:
     return seq, grouped
 
 
-def test_grouped_linear_kernel_and_loop_match_per_expert_gemms():
+def check_grouped_linear(device: str, dtype: torch.dtype, kernels: list[bool], u_out: float) -> None:
+    """``grouped_linear`` (each path in ``kernels``) against per-expert FP32 GEMMs of the same
+    operands: output, input and weight gradients elementwise within :func:`gemm_tol`."""
     torch.manual_seed(0)
     counts = torch.tensor(TOKENS_PER_EXPERT)
-    x = torch.randn(int(counts.sum()), HIDDEN, requires_grad=True)
-    w = torch.randn(len(counts), 2 * FFN, HIDDEN, requires_grad=True)
-    g = torch.randn(x.shape[0], 2 * FFN)
+    x = torch.randn(int(counts.sum()), HIDDEN, device=device).to(dtype).requires_grad_()
+    w = torch.randn(len(counts), 2 * FFN, HIDDEN, device=device).to(dtype).requires_grad_()
+    g = torch.randn(x.shape[0], 2 * FFN, device=device).to(dtype)
     bounds = torch.cumsum(torch.tensor([0, *TOKENS_PER_EXPERT]), 0).tolist()
     groups = list(zip(bounds[:-1], bounds[1:]))
-    ref = torch.cat([x[a:b].detach() @ w[e].detach().t() for e, (a, b) in enumerate(groups)])
-    ref_gx = torch.cat([g[a:b] @ w[e].detach() for e, (a, b) in enumerate(groups)])
-    ref_gw = torch.stack([g[a:b].t() @ x[a:b].detach() for a, b in groups])
-    tol_y = torch.cat([gemm_tol(x[a:b].detach(), w[e].detach().t()) for e, (a, b) in enumerate(groups)])
-    tol_gx = torch.cat([gemm_tol(g[a:b], w[e].detach()) for e, (a, b) in enumerate(groups)])
-    tol_gw = torch.stack([gemm_tol(g[a:b].t(), x[a:b].detach()) for a, b in groups])
-    for kernel in ([False, True] if CPU_GROUPED_MM else [False]):
+    xs, ws = x.detach().float(), w.detach().float()
+    ref = torch.cat([xs[a:b] @ ws[e].t() for e, (a, b) in enumerate(groups)])
+    ref_gx = torch.cat([g[a:b].float() @ ws[e] for e, (a, b) in enumerate(groups)])
+    ref_gw = torch.stack([g[a:b].float().t() @ xs[a:b] for a, b in groups])
+    tol_y = torch.cat([gemm_tol(xs[a:b], ws[e].t(), u_out) for e, (a, b) in enumerate(groups)])
+    tol_gx = torch.cat([gemm_tol(g[a:b], ws[e], u_out) for e, (a, b) in enumerate(groups)])
+    tol_gw = torch.stack([gemm_tol(g[a:b].t(), xs[a:b], u_out) for a, b in groups])
+    for kernel in kernels:
         x.grad = w.grad = None
         y = grouped_linear(x, w, counts, kernel)
         y.backward(g)
-        assert ((y - ref).abs() <= tol_y).all(), kernel
-        assert ((x.grad - ref_gx).abs() <= tol_gx).all(), kernel
-        assert ((w.grad - ref_gw).abs() <= tol_gw).all(), kernel
+        assert y.dtype == dtype and y.shape == ref.shape
+        assert ((y.float() - ref).abs() <= tol_y).all(), kernel
+        assert ((x.grad.float() - ref_gx).abs() <= tol_gx).all(), kernel
+        assert ((w.grad.float() - ref_gw).abs() <= tol_gw).all(), kernel
         assert not w.grad[1].any() and not w.grad[3].any()  # no tokens, zero gradient
+
+
+def test_grouped_linear_kernel_and_loop_match_per_expert_gemms():
+    check_grouped_linear("cpu", torch.float32, [False, True] if CPU_GROUPED_MM else [False], 0.0)
+
+
+@pytest.mark.gpu
+def test_grouped_linear_cuda_bf16_kernel_and_loop(monkeypatch):
+    """The CUDA grouped GEMM and the cuBLAS loop in BF16 (FP32 accumulation: cuBLAS's reduced
+    precision BF16 reductions off), each within one BF16 rounding of the FP32 product."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    check_grouped_linear("cuda", torch.bfloat16, [False, True], 2.0**-8)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["loop", "grouped_mm"])
@@ -160,6 +198,39 @@ def test_grouped_equals_sequential_output_and_every_gradient(single_rank_paralle
     for e in (1, 3):  # experts without tokens: zero gradients on both sides
         assert not grouped.weight1.grad[e].any() and not gw1[e].any()
         assert not grouped.weight2.grad[e].any() and not gw2[e].any()
+
+
+@pytest.mark.gpu
+def test_grouped_mm_on_gpu_equals_sequential_bf16(single_rank_parallel_state, monkeypatch):
+    """The CUDA grouped GEMM (BF16) against SequentialMLP: output and every gradient within the
+    BF16 bounds of :func:`module_tolerances` (worst case, loose in BF16; the per-GEMM test above
+    is the tight one)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
+    seq, grouped = build_pair(config(params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=False))
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    torch.manual_seed(1)
+    x = torch.randn(int(counts.sum()), HIDDEN, device="cuda", dtype=torch.bfloat16)
+    probs = torch.rand(x.shape[0], device="cuda")
+    g = torch.randn_like(x)
+    assert grouped._kernel(x)
+    outs = {}
+    for name, module in (("seq", seq), ("grouped", grouped)):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        y, _ = module(xi, counts, pi)
+        y.backward(g)
+        outs[name] = (y.detach().float(), xi.grad.float(), pi.grad.float())
+    w1 = torch.stack([e.linear_fc1.weight for e in seq.local_experts]).detach()
+    w2 = torch.stack([e.linear_fc2.weight for e in seq.local_experts]).detach()
+    gw1 = torch.stack([e.linear_fc1.weight.grad for e in seq.local_experts]).float()
+    gw2 = torch.stack([e.linear_fc2.weight.grad for e in seq.local_experts]).float()
+    tol = module_tolerances(x, probs, g, w1, w2, counts, u_out=2.0**-8)
+    (y_s, gx_s, gp_s), (y_g, gx_g, gp_g) = outs["seq"], outs["grouped"]
+    assert (y_g - y_s).abs().max() <= tol["y"]
+    assert (gx_g - gx_s).abs().max() <= tol["dx"]
+    assert (gp_g - gp_s).abs().max() <= tol["dprobs"]
+    assert (grouped.weight1.grad.float() - gw1).abs().max() <= tol["dw1"]
+    assert (grouped.weight2.grad.float() - gw2).abs().max() <= tol["dw2"]
+    assert not grouped.weight1.grad[1].any() and not grouped.weight2.grad[3].any()
 
 
 def _leaves(sharded: dict) -> dict:
