@@ -20,7 +20,9 @@ Checkpoints are interchangeable with ``SequentialMLP``: ``state_dict`` and ``sha
 name and shape every expert's tensors as ``local_experts.{e}.linear_fc{1,2}.weight`` (and
 ``_extra_state``) exactly as ``SequentialMLP`` does (global expert axis, SwiGLU split, replica ids),
 and ``load_state_dict`` accepts that layout, so a checkpoint saved by either loads into the other
-(the HF conversion and its mapping are unchanged). The parameters themselves stay stacked.
+(the HF conversion and its mapping are unchanged). The parameters themselves stay stacked, so
+megatron's gradient buffers, and with them a distributed-optimizer state, are ordered differently:
+resuming an optimizer state across the two is refused (:func:`check_resumable_experts`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
@@ -152,6 +155,33 @@ class GroupedExperts(MegatronModule):
                 entry.replica_id = (*entry.replica_id[:2], self.dp_group.rank())
             out.update(expert)
         return out
+
+
+def experts_module(model: torch.nn.Module) -> Optional[str]:
+    """Class name of ``model``'s routed-experts modules (``GroupedExperts``, megatron's
+    ``SequentialMLP``), None without MoE layers; what a training checkpoint records."""
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            return type(module.experts).__name__
+    return None
+
+
+def check_resumable_experts(saved: Optional[str], model: torch.nn.Module, path: Any) -> None:
+    """Raise unless the optimizer state of checkpoint ``path``, saved by ``saved`` experts
+    (:func:`experts_module`; None: saved before it was recorded, when the local backend always
+    built ``SequentialMLP``), can be resumed by ``model``. megatron's distributed optimizer stores
+    its state by position in the gradient buffers, where the two expert modules order their
+    parameters differently; loading it anyway would silently scramble the Adam moments and the
+    FP32 main weights. Model weights alone load either way (``train.load``)."""
+    current = experts_module(model)
+    saved = saved or "SequentialMLP"
+    if current is None or current == saved:
+        return
+    raise ValueError(
+        f"{path} was saved with {saved} routed experts; its optimizer state cannot be resumed by "
+        f"{current}. Resume with model.moe_grouped_gemm={str(saved == 'GroupedExperts').lower()}, or "
+        f"start from its weights with train.load={path} (the optimizer state restarts)"
+    )
 
 
 def _check_supported(config: TransformerConfig) -> None:

@@ -24,9 +24,14 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from kpool_layers.grouped_experts import check_resumable_experts, experts_module
+
 LATEST = "latest"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 """Distributed-optimizer format: every rank writes its own shard in parallel (reshardable over DP)."""
+EXPERTS = "experts_module"
+"""Saved with every training checkpoint: the routed-experts module, whose parameter order the
+distributed-optimizer state depends on (kpool_layers.grouped_experts.check_resumable_experts)."""
 
 
 @dataclass
@@ -89,6 +94,7 @@ def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, schedul
     state = _sharded_state(model, optimizer, loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"step": progress.step, "consumed_samples": progress.consumed_samples}
+    state[EXPERTS] = experts_module(unwrap(model))
     dist_checkpointing.save(state, str(tmp))
     _barrier()
     if _is_rank0():
@@ -138,6 +144,7 @@ def _restore_adam_steps(optimizer: Any, step: int) -> None:
 
 def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any, scheduler: Any) -> Progress:
     """Collective: restore model, optimizer and scheduler. Returns the saved progress."""
+    check_resumable_experts(dist_checkpointing.load_common_state_dict(str(path)).get(EXPERTS), unwrap(model), path)
     _materialize_adam_state(optimizer)
     state = _sharded_state(model, optimizer, loading=True)
     state["scheduler"] = scheduler.state_dict()

@@ -370,3 +370,19 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
             assert ref is None and p.grad is None, name
             continue
         assert (p.grad - ref).abs().max() <= 1e-5 * float(ref.abs().max()) + 1e-30, name
+
+
+def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):
+    from kpool_layers.grouped_experts import check_resumable_experts, experts_module
+    from tests.test_grouped_experts_dist import _moe_layer
+
+    seq, grouped = _moe_layer(False, {}), _moe_layer(True, {})
+    assert (experts_module(seq), experts_module(grouped)) == ("SequentialMLP", "GroupedExperts")
+    assert experts_module(torch.nn.Linear(2, 2)) is None
+    check_resumable_experts("GroupedExperts", grouped, "ck")
+    check_resumable_experts(None, seq, "ck")  # saved before the module was recorded: sequential
+    check_resumable_experts("GroupedExperts", torch.nn.Linear(2, 2), "ck")  # no MoE layers
+    with pytest.raises(ValueError, match=r"ck was saved with SequentialMLP.*moe_grouped_gemm=false.*train\.load=ck"):
+        check_resumable_experts(None, grouped, "ck")
+    with pytest.raises(ValueError, match=r"GroupedExperts.*moe_grouped_gemm=true"):
+        check_resumable_experts("GroupedExperts", seq, "ck")
