@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu, set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.module import MegatronModule
@@ -91,15 +91,33 @@ class GroupedExperts(MegatronModule):
         # experts are sharded otherwise than the dense layers, as megatron's expert linears decide.
         expert_groups = (config.expert_model_parallel_size > 1
                          or config.expert_tensor_parallel_size != config.tensor_model_parallel_size)
-        for weight, dim, init in ((self.weight1, 1, config.init_method), (self.weight2, 2, config.output_layer_init_method)):
-            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+        # Partition dims/strides of the per-expert linears, shifted by the expert axis (SwiGLU fc1:
+        # stride 2, each rank holds [gate_r; up_r]).
+        for weight, dim, stride in ((self.weight1, 1, self.glu), (self.weight2, 2, 1)):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=stride)
             weight.allreduce = not expert_groups
-            if config.perform_initialization and weight.device.type != "meta":
-                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                    for w_e in weight.data.unbind(0):
-                        init(w_e)
+        if config.perform_initialization and self.weight1.device.type != "meta":
+            self._init_like_sequential(config)
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stacked_state_dict)
+
+    def _init_like_sequential(self, config: TransformerConfig) -> None:
+        """The weights ``SequentialMLP`` draws from the same RNG state: expert by expert, fc1 then
+        fc2; with ``use_cpu_initialization`` a full FP32 master weight split to this expert-TP rank
+        (megatron's CPU initialisation), else the local shard under the expert-parallel RNG stream."""
+        tp_rank, tp = self.tp_group.rank(), self.tp_group.size()
+        ffn, hidden = config.moe_ffn_hidden_size, config.hidden_size
+        linears = ((self.weight1, config.init_method, (self.glu * ffn, hidden), 0, self.glu),
+                   (self.weight2, config.output_layer_init_method, (hidden, ffn), 1, 1))
+        for e in range(self.num_local_experts):
+            for weight, init, full, dim, stride in linears:
+                shard = weight.data[e]
+                if config.use_cpu_initialization:
+                    _initialize_affine_weight_cpu(shard, *full, shard.shape[dim], dim, init, stride=stride,
+                                                  rank=tp_rank, world_size=tp, skip_set_tensor_parallel_attributes=True)
+                else:
+                    with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                        init(shard)
 
     def _kernel(self, x: torch.Tensor) -> bool:
         """Whether ``grouped_mm`` runs (CUDA, BF16, 16-byte aligned rows) rather than the loop."""

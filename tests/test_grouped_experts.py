@@ -126,6 +126,21 @@ def build_pair(cfg: TransformerConfig) -> tuple[SequentialMLP, GroupedExperts]:
     return seq, grouped
 
 
+def test_same_seed_gives_sequentials_weights(single_rank_parallel_state):
+    """GroupedExperts draws SequentialMLP's weights from the same RNG state (a seed keeps its run)."""
+    pgs = get_default_pg_collection()
+    cfg = config()
+    torch.manual_seed(3)
+    seq = SequentialMLP(cfg.num_moe_experts, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                                                linear_fc2=RowParallelLinear), pg_collection=pgs)
+    torch.manual_seed(3)
+    grouped = GroupedExperts(cfg.num_moe_experts, cfg, pg_collection=pgs)
+    ref = seq.state_dict()
+    got = grouped.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in ref.items() if isinstance(v, torch.Tensor))
+    assert grouped.weight1.partition_stride == seq.local_experts[0].linear_fc1.weight.partition_stride == 2
+
+
 def check_grouped_linear(device: str, dtype: torch.dtype, kernels: list[bool], u_out: float) -> None:
     """``grouped_linear`` (each path in ``kernels``) against per-expert FP32 GEMMs of the same
     operands: output, input and weight gradients elementwise within :func:`gemm_tol`."""

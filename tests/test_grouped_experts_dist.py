@@ -1,6 +1,6 @@
 """Grouped experts under expert parallelism (EP = 2) and expert tensor parallelism (ETP = 2), in
-megatron's ``MoELayer`` with its router and allgather dispatcher, against ``SequentialMLP`` with the
-same weights on the same ranks: output, input gradient and every parameter gradient, and a
+megatron's ``MoELayer`` with its router and allgather dispatcher, against ``SequentialMLP``: the same
+seed gives the same weight shards; output, input gradient and every parameter gradient; and a
 sharded state dict identical to ``SequentialMLP``'s (keys, global shapes, offsets, replica ids).
 Two gloo processes."""
 
@@ -67,9 +67,12 @@ def _worker(rank: int, port: int) -> None:
         ps.initialize_model_parallel(tensor_model_parallel_size=1, **parallel)
         model_parallel_cuda_manual_seed(1234)
         torch.manual_seed(0)
-        seq, grouped = _moe_layer(False, parallel), _moe_layer(True, parallel)
+        seq = _moe_layer(False, parallel)
+        torch.manual_seed(0)
+        grouped = _moe_layer(True, parallel)
         assert isinstance(grouped.experts, GroupedExperts), parallel
-        grouped.load_state_dict(seq.state_dict())
+        ref, got = seq.state_dict(), grouped.state_dict()  # same seed, same (expert-TP split) weights
+        assert all(torch.equal(got[k], v) for k, v in ref.items() if isinstance(v, torch.Tensor)), parallel
         for p_seq, p_grp in ((seq.experts.local_experts[0].linear_fc1.weight, grouped.experts.weight1),
                              (seq.experts.local_experts[0].linear_fc2.weight, grouped.experts.weight2)):
             assert p_grp.allreduce == p_seq.allreduce and p_grp.tensor_model_parallel, parallel
