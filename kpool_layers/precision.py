@@ -4,10 +4,12 @@
   with the named profiles ``bf16``, ``fp8`` and ``serving_match`` (FP8 training whose indexer path
   matches the FP8 serving engine).
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
-  (:mod:`kpool_layers.fp8`), on the ``torch`` (``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or
-  ``emulate`` (quantize-dequantize, any device) backend; straight-through backward.
+  (:mod:`kpool_layers.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
+  ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
+  backend; straight-through backward.
 * :func:`apply_precision` - routes every linear of a model, chosen by a ``role_of(name, module)``
-  callable, through the policy; :func:`precision_map` lists what it does.
+  callable, through the policy (grouped experts refuse FP8 experts); :func:`precision_map` lists
+  what it does.
 * :func:`fp8_autocast` - the Transformer Engine autocast for the ``te`` backend.
 
 Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
@@ -30,6 +32,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from kpool_layers import fp8
+from kpool_layers.grouped_experts import GroupedExperts
 
 
 class Role(str, enum.Enum):
@@ -248,6 +251,17 @@ def _scaled_mm(
     return out[:m, :n]
 
 
+def quantizer(backend: str, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """How ``backend`` quantizes operands on ``x``'s device: ``torch`` on CUDA with the fused
+    Triton kernel (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for
+    tensorwise), otherwise :func:`kpool_layers.fp8.quantize`; both give the same bytes and scales."""
+    if backend == "torch" and x.is_cuda:
+        from kpool_layers.kernels import fp8_quant_triton
+
+        return fp8_quant_triton.quantize
+    return fp8.quantize
+
+
 class _QuantizedMatmul(torch.autograd.Function):
     """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
     computed in ``x``'s dtype from the dequantized operands (kept as e4m3 + scales)."""
@@ -255,8 +269,9 @@ class _QuantizedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, recipe, backend, scale_format):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
-        xq, xs = fp8.quantize(x2, recipe, "activation", scale_format)
-        wq, ws = fp8.quantize(w, recipe, "weight", scale_format)
+        quantize = quantizer(backend, x)
+        xq, xs = quantize(x2, recipe, "activation", scale_format)
+        wq, ws = quantize(w, recipe, "weight", scale_format)
         if backend == "torch":
             y = _scaled_mm(xq, xs, wq, ws, recipe)
         else:
@@ -462,10 +477,24 @@ def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy, role_of: Ro
     Wrapping is by instance attribute over the class method; calling again first removes the
     previous routing, so a model can be re-routed under another policy.
     """
+    _refuse_fp8_grouped_experts(model, policy)
     backend = resolve_backend(policy.backend) if policy.fp8 else "none"
     for name, module, role in _roles(model, role_of):
         _route(name, module, role, policy, backend)
     return precision_map(model, policy, role_of)
+
+
+def _refuse_fp8_grouped_experts(model: torch.nn.Module, policy: PrecisionPolicy) -> None:
+    """Grouped experts have no per-expert linears to route: FP8 experts need ``SequentialMLP``."""
+    if not (policy.quantized(Role.MOE_EXPERT_FC1) or policy.quantized(Role.MOE_EXPERT_FC2)):
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            raise ValueError(
+                f"{name}: precision.fp8=true quantizes the routed experts (moe.expert_fc1/fc2), which "
+                "grouped experts (model.moe_grouped_gemm=true) do not support; set "
+                "model.moe_grouped_gemm=false or leave it null (auto picks per-expert linears with FP8)"
+            )
 
 
 def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:

@@ -3,7 +3,10 @@
 Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
 (``kpool_layers.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
 and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest.
-Norms are the sequence-parallel capable ``SPNorm`` on the local backend.
+Norms are the sequence-parallel capable ``SPNorm`` on the local backend. With
+``config.moe_grouped_gemm`` the local backend's routed experts are
+:class:`kpool_layers.grouped_experts.GroupedExperts` (grouped GEMMs, no TE), else megatron's
+``SequentialMLP``; the ``te`` backend uses megatron's ``TEGroupedMLP``.
 
 Backends: ``local`` (megatron's ColumnParallelLinear/RowParallelLinear, runs anywhere) is what this
 repository tests. ``te`` swaps in Transformer Engine's linears and norms through megatron's
@@ -28,16 +31,23 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.grouped_experts import GroupedExperts
 from kpool_layers.norm import SPNorm
 
 BACKENDS = ("local", "te")
 
 
 class SPLocalSpecProvider(LocalSpecProvider):
-    """megatron's local backend with norms that accept sequence parallelism."""
+    """megatron's local backend with norms that accept sequence parallelism and grouped experts
+    that need no Transformer Engine."""
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):  # noqa: ANN201
         return SPNorm
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):  # noqa: ANN201 (megatron ExpertsBuilder)
+        if moe_use_grouped_gemm:
+            return GroupedExperts
+        return super().grouped_mlp_modules(moe_use_grouped_gemm)
 
 
 def backend_provider(backend: str) -> BackendSpecProvider:

@@ -34,11 +34,15 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
+from kpool_layers.grouped_experts import check_resumable_experts, experts_module
 from recipes.checkpoint_manifest import CheckpointError, read_manifest, write_manifest
 
 LATEST = "latest"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 """Distributed-optimizer format: every rank writes its own shard in parallel (reshardable over DP)."""
+EXPERTS = "experts_module"
+"""Saved with every training checkpoint: the routed-experts module, whose parameter order the
+distributed-optimizer state depends on (kpool_layers.grouped_experts.check_resumable_experts)."""
 
 
 @dataclass
@@ -144,6 +148,7 @@ def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, schedul
     state = _sharded_state(model, optimizer, loading=False)
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"step": progress.step, "consumed_samples": progress.consumed_samples}
+    state[EXPERTS] = experts_module(unwrap(model))
     dist_checkpointing.save(state, str(tmp))
     _barrier()
     write_manifest(tmp, config=owner.config, lineage=owner.lineage, step=progress.step)
@@ -244,6 +249,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any, schedul
 
     The LR schedule keeps the saved step count but follows the current ``train.*`` settings
     (steps, warmup, lr, min_lr): a resume with a changed ``train.steps`` re-plans the decay."""
+    check_resumable_experts(dist_checkpointing.load_common_state_dict(str(path)).get(EXPERTS), unwrap(model), path)
     _materialize_adam_state(optimizer)
     state = _sharded_state(model, optimizer, loading=True)
     check_tensors(state["model"], path)

@@ -180,9 +180,6 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
 def _check_supported(model: Any) -> None:
     if model.normalization != "RMSNorm":
         raise ValueError(f"model.normalization={model.normalization!r}: the HF models use RMSNorm")
-    if model.moe_grouped_gemm:
-        raise ValueError("model.moe_grouped_gemm=true: the mapping covers megatron's per-expert "
-                         "(SequentialMLP) layout; convert with moe_grouped_gemm=false")
     if not model.num_moe_experts or not model.moe_shared_expert_intermediate_size:
         raise ValueError("the HF GLM-5.x models are MoE with a shared expert: set model.num_moe_experts "
                          "and model.moe_shared_expert_intermediate_size")

@@ -1,8 +1,8 @@
 """The one place where the composed Hydra config becomes megatron-core's transformer config.
 
 ``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
-derives differently (dtype, the indexer key-norm precision, MoE layer pattern, parallel sizes,
-CPU/GPU kernel switches) are listed explicitly in :func:`to_transformer_config`.
+derives differently (dtype, the indexer key-norm precision, MoE layer pattern, grouped experts,
+parallel sizes, CPU/GPU kernel switches) are listed explicitly in :func:`to_transformer_config`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kpool_layers.config import GLMTransformerConfig
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
 _NOT_COPIED = {"name", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
-               "moe_first_k_dense_layers", "mtp_num_layers"}
+               "moe_first_k_dense_layers", "mtp_num_layers", "moe_grouped_gemm"}
 
 
 def _plain(node: Any) -> dict[str, Any]:
@@ -33,6 +33,15 @@ def sequence_parallel(parallelism: Any) -> bool:
     """``parallelism.sequence_parallel``, where null means on exactly when TP > 1."""
     sp = parallelism.sequence_parallel
     return parallelism.tensor_model_parallel_size > 1 if sp is None else bool(sp)
+
+
+def grouped_experts(model_grouped_gemm: bool | None, fp8: bool, on_gpu: bool) -> bool:
+    """``model.moe_grouped_gemm``, where null (auto) means grouped-GEMM experts
+    (``kpool_layers.grouped_experts``) exactly on GPUs without ``precision.fp8``: FP8 experts are
+    routed per expert linear (``SequentialMLP``), and on the CPU the grouped module loops anyway."""
+    if model_grouped_gemm is None:
+        return on_gpu and not fp8
+    return bool(model_grouped_gemm)
 
 
 def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
@@ -69,6 +78,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         # MoE layer pattern and router precision (GLM-5 routes in FP32).
         moe_layer_freq=moe_layer_freq,
         moe_router_dtype="fp32" if experts else None,
+        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], bool(precision["fp8"]), on_gpu),
         mtp_num_layers=model["mtp_num_layers"] or None,
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,

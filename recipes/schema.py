@@ -121,7 +121,7 @@ class ModelConfig:
     moe_router_load_balancing_type: str = "seq_aux_loss"
     moe_aux_loss_coeff: float = 1e-4
     moe_token_dispatcher_type: Dispatcher = Dispatcher.allgather
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: Optional[bool] = None  # null = auto: true on GPUs without FP8 experts (recipes.megatron_config)
     # Multi-token prediction.
     mtp_num_layers: int = 0
 

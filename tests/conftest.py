@@ -50,3 +50,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _reset_moe_aux_loss_scale():
+    """megatron's MoE aux-loss scale is a class global: a backward outside its schedules leaves a
+    0-dim tensor there that the schedules' ``copy_`` of a [1] scale then rejects. Every test starts
+    and ends without one, as a fresh process does."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    yield
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None

@@ -1,0 +1,107 @@
+"""The fused Triton FP8 quantization (``kpool_layers.kernels.fp8_quant_triton``) against the
+reference ``kpool_layers.fp8.quantize``: same e4m3 bytes and FP32 scales for every recipe,
+operand and scale format, on ragged shapes and edge values.
+
+On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must
+be set before triton is imported). The interpreter's FP8 conversion rounds half away from zero
+and flushes e4m3 subnormals, unlike the GPU's round-to-nearest-even ``cvt``, so there the kernel
+writes its pre-rounding FP32 values (``clamp(x / s, -448, 448)``) and torch rounds them: the scale
+computation, tiling, division and clamping are compared bit for bit, the final rounding
+instruction only on a GPU (``gpu`` tests, which also compare ``quantized_matmul`` end to end)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kpool_layers import fp8
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cases(device: str) -> list[tuple[str, torch.Tensor, str]]:
+    """(name, tensor, operand): ragged tiles, bf16, 3-D activations and edge values: an all-zero
+    row (the 1e-4 amax floor), a row whose amax is 448 * 2**k (a power-of-two ratio), values that
+    land on e4m3 rounding ties and in the e4m3 subnormal range after scaling."""
+    g = torch.Generator().manual_seed(0)
+    act = torch.randn(6, 200, generator=g) * torch.logspace(-3, 2, 6)[:, None]
+    act[0] = 0.0
+    act[1, :3] = torch.tensor([448.0 * 4, 1.0625 * 4, -1.1875 * 4])  # s = 4: ties at 1.0625, 1.1875
+    act[2, 128:131] = torch.tensor([448.0, 2.0**-8, 3 * 2.0**-10])  # subnormals in the 2nd tile
+    weight = torch.randn(130, 200, generator=g) * 0.02
+    weight[129, 199] = 3.0  # a partial 128x128 block whose amax is a lone element
+    out = [("act", act, "activation"), ("act_bf16", act.to(torch.bfloat16), "activation"),
+           ("act_3d", torch.randn(2, 3, 128, generator=g), "activation"),
+           ("weight", weight, "weight"), ("weight_bf16", weight.to(torch.bfloat16), "weight")]
+    return [(n, t.to(device), o) for n, t, o in out]
+
+
+def compare(device: str) -> None:
+    """Assert fused == reference for every case x recipe x scale format on ``device``."""
+    from kpool_layers.kernels import fp8_quant_triton as fused
+
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    for name, x, operand in cases(device):
+        for recipe in fp8.RECIPES:
+            for scale_format in fp8.SCALE_FORMATS:
+                ref_q, ref_s = fp8.quantize(x, recipe, operand, scale_format)
+                if interpreted:
+                    q, s = fused.quantize(x, recipe, operand, scale_format, out_dtype=torch.float32)
+                    q = q.to(torch.float8_e4m3fn)
+                else:
+                    q, s = fused.quantize(x, recipe, operand, scale_format)
+                where = f"{name} {recipe} {scale_format}"
+                assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, where
+                assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), where
+                assert s.dtype == torch.float32 and torch.equal(s, ref_s), where
+    print("fused == reference")
+
+
+def test_fused_quantize_matches_reference_interpreted():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.test_fp8_quant_triton import compare; compare('cpu')"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0 and "fused == reference" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_fused_quantize_matches_reference_on_gpu():
+    compare("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", fp8.RECIPES)
+def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
+    """One kernel per operand (two for tensorwise), and the torch backend's FP8 GEMM equals the
+    one fed by the reference quantization bit for bit."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kpool_layers import precision
+    from kpool_layers.kernels import fp8_quant_triton as fused
+
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16) * 0.02
+    fused.quantize(x, recipe, "activation")  # compile outside the profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fused.quantize(x, recipe, "activation")
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == (2 if recipe == "tensorwise" else 1), [e.name for e in kernels]
+    got = precision.quantized_matmul(x, w, recipe, "torch")
+    monkeypatch.setattr(precision, "quantizer", lambda backend, t: fp8.quantize)
+    assert torch.equal(got, precision.quantized_matmul(x, w, recipe, "torch"))
+
+
+def test_torch_backend_uses_the_fused_kernel_only_on_cuda():
+    from kpool_layers.precision import quantizer
+
+    assert quantizer("torch", torch.zeros(1)) is fp8.quantize
+    assert quantizer("emulate", torch.zeros(1)) is fp8.quantize
