@@ -1,0 +1,1 @@
+"""Fused GPU kernels (Triton) for the DSA attention stack."""

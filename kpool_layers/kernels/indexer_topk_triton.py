@@ -1,0 +1,179 @@
+"""Fused lightning-indexer scoring and exact top-k selection in one Triton kernel.
+
+:func:`range_topk_triton` returns exactly what :func:`kpool_layers.topk.chunked_range_topk` returns
+(same layouts, see there) without ever holding a ``[t, n]`` score tensor:
+
+    q [t, h, d] (bf16 / fp16 / fp32), keys [n, d], weights [t, h], lo, hi int64 [t]
+    -> int64 [t, topk], best first, ties to the lower key index, -1 beyond the visible keys.
+
+Each program owns ``BLOCK_T`` consecutive queries and walks the keys they can see in blocks of
+``BLOCK_N``, scoring them on the tensor cores (``[BLOCK_T * h, d] @ [d, BLOCK_N]`` in FP32, ReLU,
+weighted sum over heads). A score ``s`` is mapped to a 32-bit descending key ``v`` (order-reversing
+image of the FP32 bits, ``-0.0`` folded into ``+0.0``: smaller ``v`` = larger score). A radix select
+finds every query's ``k``-th smallest ``v`` exactly, 8 bits per pass: pass ``p`` rescores the keys
+and builds a per-query histogram of digit ``p`` over the keys whose higher digits equal the digits
+chosen so far (4 passes). A fifth pass writes the keys with ``v`` below the threshold, then those
+equal to it in ascending key order until ``k`` are written, as packed int64
+``(v - 2^31) << 32 | index`` into a ``[t, topk]`` buffer; one row-wise sort of that buffer orders
+the result by (score desc, index asc). Rescoring is cheaper than storing: a score costs ``2 h d``
+FLOPs on the tensor cores and the keys stay in L2.
+
+All passes run in one loop of one kernel, so every pass sees bit-identical scores; there are no
+atomics across programs, so results are deterministic. Memory: ``O(t * topk)`` (the packed buffer,
+its sorted copy and the result). Scores are FP32 with a different summation order than the
+PyTorch reference, so keys whose scores are within FP32 rounding of the ``k``-th may swap.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_EMPTY = torch.iinfo(torch.int64).max  # packed value of an unfilled slot; sorts last
+_RADIX_BITS = 8
+_PASSES = 32 // _RADIX_BITS
+_BLOCK_N = 64
+
+
+@triton.jit
+def _range_topk_kernel(
+    q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr,
+    t, n, topk,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_wh,
+    H: tl.constexpr, D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    RELU: tl.constexpr, PRECISION: tl.constexpr, PASSES: tl.constexpr, RADIX_BITS: tl.constexpr,
+):
+    """One program: queries ``pid * BLOCK_T ..``; writes packed keys into ``out [t, topk]``."""
+    NBINS: tl.constexpr = 1 << RADIX_BITS
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries see the most keys: first
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < t
+    lo = tl.maximum(tl.load(lo_ptr + rows, mask=row_ok, other=0), 0)
+    hi = tl.minimum(tl.load(hi_ptr + rows, mask=row_ok, other=0), n)
+    count = tl.maximum(hi - lo, 0)
+    k_eff = tl.minimum(count, topk).to(tl.int32)  # keys each query selects
+    seen = count > 0
+    k_start = (tl.min(tl.where(seen, lo, n), axis=0) // BLOCK_N * BLOCK_N).to(tl.int32)
+    k_stop = tl.max(tl.where(seen, hi, 0), axis=0).to(tl.int32)
+
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    rows64 = rows.to(tl.int64)
+    q_offs = rows64[:, None, None] * stride_qt + heads[None, :, None] * stride_qh + dims[None, None, :]
+    q_mask = row_ok[:, None, None] & (heads[None, :, None] < H) & (dims[None, None, :] < D)
+    q = tl.reshape(tl.load(q_ptr + q_offs, mask=q_mask, other=0.0), (BLOCK_T * BLOCK_H, BLOCK_D))
+    w_offs = rows64[:, None] * stride_wt + heads[None, :] * stride_wh
+    w_mask = row_ok[:, None] & (heads[None, :] < H)
+    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
+
+    bin_base = (tl.arange(0, BLOCK_T) * NBINS)[:, None]  # per-query histogram slice
+    digits = tl.arange(0, NBINS)
+    prefix = tl.zeros([BLOCK_T], dtype=tl.uint32)  # digits of the threshold found so far
+    known = tl.zeros([BLOCK_T], dtype=tl.uint32)  # bit mask of those digits
+    rem = k_eff  # keys still to place at or below the current prefix
+    for p in range(0, PASSES + 1):
+        shift = 32 - RADIX_BITS * (p + 1)
+        hist = tl.zeros([BLOCK_T * NBINS], dtype=tl.int32)
+        n_gt = k_eff - rem  # final pass: keys strictly better than the threshold
+        run_gt = tl.zeros([BLOCK_T], dtype=tl.int32)
+        run_eq = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for start in range(k_start, k_stop, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            k_offs = cols[None, :].to(tl.int64) * stride_kn + dims[:, None]
+            k_mask = (cols[None, :] < n) & (dims[:, None] < D)
+            kt = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
+            logits = tl.dot(q, kt, input_precision=PRECISION)  # [BLOCK_T * BLOCK_H, BLOCK_N] FP32
+            if RELU:
+                logits = tl.maximum(logits, 0.0)
+            logits = tl.reshape(logits, (BLOCK_T, BLOCK_H, BLOCK_N))
+            score = tl.sum(logits * w[:, :, None], axis=1)  # [BLOCK_T, BLOCK_N]
+            bits = score.to(tl.uint32, bitcast=True)
+            bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 -> +0.0
+            v = tl.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)  # descending key
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
+            if p < PASSES:
+                cand = vis & ((v & known[:, None]) == prefix[:, None])
+                slot = ((v >> shift) & (NBINS - 1)).to(tl.int32) + bin_base
+                hist += tl.histogram(
+                    tl.reshape(slot, (BLOCK_T * BLOCK_N,)),
+                    BLOCK_T * NBINS,
+                    mask=tl.reshape(cand, (BLOCK_T * BLOCK_N,)),
+                )
+            else:
+                gt = vis & (v < prefix[:, None])
+                eq = vis & (v == prefix[:, None])
+                pos_gt = run_gt[:, None] + tl.cumsum(gt.to(tl.int32), axis=1) - 1
+                pos_eq = n_gt[:, None] + run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1) - 1
+                take = gt | (eq & (pos_eq < k_eff[:, None]))
+                pos = tl.where(gt, pos_gt, pos_eq)
+                high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
+                packed = (high << 32) | cols[None, :].to(tl.int64)
+                tl.store(out_ptr + rows64[:, None] * topk + pos, packed, mask=take & row_ok[:, None])
+                run_gt += tl.sum(gt.to(tl.int32), axis=1)
+                run_eq += tl.sum(eq.to(tl.int32), axis=1)
+        if p < PASSES:
+            counts = tl.reshape(hist, (BLOCK_T, NBINS))
+            below = tl.cumsum(counts, axis=1)  # keys with this digit or a better one
+            digit = tl.sum((below < rem[:, None]).to(tl.int32), axis=1)  # digit of the k-th key
+            rem -= tl.sum(tl.where(digits[None, :] < digit[:, None], counts, 0), axis=1)
+            prefix = prefix | (digit.to(tl.uint32) << shift)
+            known = known | ((known * 0 + (NBINS - 1)) << shift)
+
+
+def _block_t(block_h: int) -> int:
+    """Queries per program: a tensor-core M of ``BLOCK_T * BLOCK_H`` of at least 16, 128 for
+    ``h >= 8`` (at most 16 queries, so their key ranges stay close)."""
+    return max(1, min(16, 128 // block_h))
+
+
+def range_topk_triton(
+    q: Tensor, keys: Tensor, weights: Tensor, lo: Tensor, hi: Tensor, *, topk: int, relu: bool
+) -> Tensor:
+    """Top-``topk`` keys of every query within ``[lo, hi)``, fused scoring + radix select.
+
+    Args:
+        q: [t, h, d] index queries, bf16 / fp16 / fp32 (last dim contiguous or copied).
+        keys: [n, d] index keys (cast to q's promoted dtype).
+        weights: [t, h] per-head weights (read as FP32).
+        lo, hi: int [t] visible key range ``[lo, hi)`` of every query.
+        topk: selected keys per query.
+        relu: ReLU on ``q . k`` before weighting.
+
+    Returns:
+        int64 [t, topk]: key indices, best first, ties to the lower index, -1 = empty slot.
+        Same contract as :func:`kpool_layers.topk.chunked_range_topk`; runs without grad.
+    """
+    t, h, d = q.shape
+    n = keys.shape[0]
+    out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
+    if t == 0 or topk == 0 or n == 0:
+        return out
+    dtype = torch.promote_types(q.dtype, keys.dtype)
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"range_topk_triton scores bf16/fp16/fp32 inputs, got {dtype}")
+    with torch.no_grad():
+        q, keys = q.detach().to(dtype), keys.detach().to(dtype)
+        if q.stride(2) != 1:
+            q = q.contiguous()
+        if keys.stride(1) != 1:
+            keys = keys.contiguous()
+        weights = weights.detach()
+        lo, hi = lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous()
+        block_h = triton.next_power_of_2(h)
+        block_t = _block_t(block_h)
+        packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)
+        _range_topk_kernel[(triton.cdiv(t, block_t),)](
+            q, keys, weights, lo, hi, packed,
+            t, n, topk,
+            q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), weights.stride(1),
+            H=h, D=d, BLOCK_T=block_t, BLOCK_H=block_h,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N,
+            RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+            PASSES=_PASSES, RADIX_BITS=_RADIX_BITS,
+            num_warps=8 if block_t * block_h >= 128 else 4,
+        )
+        packed = torch.sort(packed, dim=1).values
+        return torch.where(packed == _EMPTY, out, packed & 0xFFFFFFFF)
