@@ -19,12 +19,15 @@ the result by (score desc, index asc). Rescoring is cheaper than storing: a scor
 FLOPs on the tensor cores and the keys stay in L2.
 
 All passes run in one loop of one kernel, so every pass sees bit-identical scores; there are no
-atomics across programs, so results are deterministic. Memory: ``O(t * topk)`` (the packed buffer,
-its sorted copy and the result). Scores are FP32 with a different summation order than the
-PyTorch reference, so keys whose scores are within FP32 rounding of the ``k``-th may swap.
+atomics across programs, so results are deterministic. Memory: ``O(t * topk)``; the result itself
+serves as the packed buffer and is sorted and decoded in place, 4096 rows at a time. Scores are FP32
+summed in a different order than the PyTorch reference, so keys whose scores lie within FP32
+rounding of the ``k``-th may swap.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,7 +37,21 @@ from torch import Tensor
 _EMPTY = torch.iinfo(torch.int64).max  # packed value of an unfilled slot; sorts last
 _RADIX_BITS = 8
 _PASSES = 32 // _RADIX_BITS
-_BLOCK_N = 64
+_SORT_ROWS = 4096  # rows per sort of the packed buffer (bounds the sort's scratch)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Tuning knobs of the kernel. Selections do not depend on them except through the FP32
+    rounding of the head sum (its order follows the register layout); each config is
+    deterministic."""
+
+    block_n: int = 64  # keys per step
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+DEFAULT_CONFIG = LaunchConfig()
 
 
 @triton.jit
@@ -130,7 +147,15 @@ def _block_t(block_h: int) -> int:
 
 
 def range_topk_triton(
-    q: Tensor, keys: Tensor, weights: Tensor, lo: Tensor, hi: Tensor, *, topk: int, relu: bool
+    q: Tensor,
+    keys: Tensor,
+    weights: Tensor,
+    lo: Tensor,
+    hi: Tensor,
+    *,
+    topk: int,
+    relu: bool,
+    config: LaunchConfig = DEFAULT_CONFIG,
 ) -> Tensor:
     """Top-``topk`` keys of every query within ``[lo, hi)``, fused scoring + radix select.
 
@@ -141,6 +166,7 @@ def range_topk_triton(
         lo, hi: int [t] visible key range ``[lo, hi)`` of every query.
         topk: selected keys per query.
         relu: ReLU on ``q . k`` before weighting.
+        config: launch parameters (benchmarks sweep them).
 
     Returns:
         int64 [t, topk]: key indices, best first, ties to the lower index, -1 = empty slot.
@@ -148,9 +174,8 @@ def range_topk_triton(
     """
     t, h, d = q.shape
     n = keys.shape[0]
-    out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     if t == 0 or topk == 0 or n == 0:
-        return out
+        return torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     dtype = torch.promote_types(q.dtype, keys.dtype)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"range_topk_triton scores bf16/fp16/fp32 inputs, got {dtype}")
@@ -164,16 +189,19 @@ def range_topk_triton(
         lo, hi = lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous()
         block_h = triton.next_power_of_2(h)
         block_t = _block_t(block_h)
-        packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)
+        packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)  # the result
         _range_topk_kernel[(triton.cdiv(t, block_t),)](
             q, keys, weights, lo, hi, packed,
             t, n, topk,
             q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), weights.stride(1),
             H=h, D=d, BLOCK_T=block_t, BLOCK_H=block_h,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=_BLOCK_N,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=config.block_n,
             RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
             PASSES=_PASSES, RADIX_BITS=_RADIX_BITS,
-            num_warps=8 if block_t * block_h >= 128 else 4,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        packed = torch.sort(packed, dim=1).values
-        return torch.where(packed == _EMPTY, out, packed & 0xFFFFFFFF)
+        for start in range(0, t, _SORT_ROWS):  # (score desc, index asc); -1 for empty slots
+            rows = packed[start:start + _SORT_ROWS]
+            ordered = torch.sort(rows, dim=1).values
+            rows.copy_(torch.where(ordered == _EMPTY, -1, ordered & 0xFFFFFFFF))
+        return packed
