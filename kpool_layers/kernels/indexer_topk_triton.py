@@ -47,11 +47,22 @@ class LaunchConfig:
     deterministic."""
 
     block_n: int = 64  # keys per step
+    block_m: int = 128  # query-head rows per tensor-core product (queries per program * heads)
     num_warps: int = 8
     num_stages: int = 2
 
 
 DEFAULT_CONFIG = LaunchConfig()
+
+
+@triton.jit
+def _load_keys(k_ptr, start, stop, stride_kn, D: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """Keys ``start .. start + BLOCK_N`` (those below ``stop``) transposed: [BLOCK_D, BLOCK_N]."""
+    cols = start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    offs = cols[None, :].to(tl.int64) * stride_kn + dims[:, None]
+    return tl.load(k_ptr + offs, mask=(cols[None, :] < stop) & (dims[:, None] < D), other=0.0)
 
 
 @triton.jit
@@ -97,11 +108,9 @@ def _range_topk_kernel(
         n_gt = k_eff - rem  # final pass: keys strictly better than the threshold
         run_gt = tl.zeros([BLOCK_T], dtype=tl.int32)
         run_eq = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for start in range(k_start, k_stop, BLOCK_N):
+        for start in range(k_start, k_stop, BLOCK_N):  # Triton pipelines the key loads (cp.async)
             cols = start + tl.arange(0, BLOCK_N)
-            k_offs = cols[None, :].to(tl.int64) * stride_kn + dims[:, None]
-            k_mask = (cols[None, :] < n) & (dims[:, None] < D)
-            kt = tl.load(k_ptr + k_offs, mask=k_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
+            kt = _load_keys(k_ptr, start, k_stop, stride_kn, D, BLOCK_D, BLOCK_N)
             logits = tl.dot(q, kt, input_precision=PRECISION)  # [BLOCK_T * BLOCK_H, BLOCK_N] FP32
             if RELU:
                 logits = tl.maximum(logits, 0.0)
@@ -140,10 +149,10 @@ def _range_topk_kernel(
             known = known | ((known * 0 + (NBINS - 1)) << shift)
 
 
-def _block_t(block_h: int) -> int:
-    """Queries per program: a tensor-core M of ``BLOCK_T * BLOCK_H`` of at least 16, 128 for
-    ``h >= 8`` (at most 16 queries, so their key ranges stay close)."""
-    return max(1, min(16, 128 // block_h))
+def _block_t(block_h: int, block_m: int) -> int:
+    """Queries per program: a tensor-core M of ``BLOCK_T * BLOCK_H`` of at least 16, ``block_m``
+    where heads allow (at most 16 queries, so their key ranges stay close)."""
+    return max(1, min(16, block_m // block_h))
 
 
 def range_topk_triton(
@@ -188,7 +197,7 @@ def range_topk_triton(
         weights = weights.detach()
         lo, hi = lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous()
         block_h = triton.next_power_of_2(h)
-        block_t = _block_t(block_h)
+        block_t = _block_t(block_h, config.block_m)
         packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)  # the result
         _range_topk_kernel[(triton.cdiv(t, block_t),)](
             q, keys, weights, lo, hi, packed,

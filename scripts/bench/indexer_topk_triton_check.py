@@ -39,9 +39,9 @@ from kpool_layers.topk import chunked_range_topk  # noqa: E402
 
 HEADS, DIM, TOPK = 32, 128, 2048
 DEVICE = "cuda"
-SWEEP = [LaunchConfig(64, 8, 2), LaunchConfig(64, 4, 2), LaunchConfig(64, 8, 3), LaunchConfig(64, 8, 1),
-         LaunchConfig(128, 8, 2), LaunchConfig(128, 8, 3), LaunchConfig(128, 4, 2), LaunchConfig(32, 4, 2),
-         LaunchConfig(32, 8, 2)]
+SWEEP = [LaunchConfig(block_n=bn, block_m=bm, num_warps=nw, num_stages=ns)
+         for bn, bm, nw, ns in [(64, 128, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (32, 128, 4, 2),
+                                (32, 256, 8, 2), (64, 256, 8, 2), (64, 64, 4, 2), (128, 128, 8, 1)]]
 
 
 def inputs(t: int, kpool: int, cu: list[int], gen: torch.Generator):
@@ -212,10 +212,10 @@ def main() -> None:
               f"{fmt(a['peak_mib'], '.0f'):>9}  {fmt(b['peak_mib'], '.0f'):>10}  {fmt(b.get('pass_tflops'), '.0f'):>12}"
               + (f"  {b['error'][:80]}" if "error" in b else ""))
     if result["sweep"]:
-        print(f"sweep (s={args.sweep_s}, kpool 1): block_n warps stages  ms  rows_equal_default")
+        print(f"sweep (s={args.sweep_s}, kpool 1): block_n block_m warps stages  ms  rows_equal_default")
         for r in result["sweep"]:
             c = r["config"]
-            print(f"  {c['block_n']:>7} {c['num_warps']:>5} {c['num_stages']:>6}  {fmt(r.get('ms')):>8}  "
+            print(f"  {c['block_n']:>7} {c['block_m']:>7} {c['num_warps']:>5} {c['num_stages']:>6}  {fmt(r.get('ms')):>8}  "
                   f"{fmt(r.get('rows_equal_default'), '.4f')}" + (f"  {r['error'][:80]}" if "error" in r else ""))
     print(f"json: {args.out}")
 
