@@ -63,10 +63,14 @@ def assert_equal_up_to_rounding(got, ref, scores, lo, hi, tol) -> None:
 # --- cases run under the interpreter (each raises AssertionError on failure) --------------------
 
 
-def _range_topk(*args, **kwargs):
-    from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
+CAPS = {"cap256": 256, "cap8": 8}  # candidate buffer: the default, and one that forces radix passes
+_cap = [CAPS["cap256"]]  # the variant the cases run under
 
-    return range_topk_triton(*args, **kwargs)
+
+def _range_topk(*args, **kwargs):
+    from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
+
+    return range_topk_triton(*args, **kwargs, config=LaunchConfig(cand_cap=_cap[0]))
 
 
 def _grid_case(kpool: int, relu: bool, lengths: Optional[list[int]], topk: int, h: int, d: int,
@@ -182,15 +186,17 @@ CASES: dict[str, Callable[[], None]] = {
 
 
 def _run_cases() -> None:
-    """Entry point of the interpreter subprocess: one JSON line {case: null | traceback}."""
+    """Entry point of the interpreter subprocess: one JSON line {case/cap: null | traceback}."""
     torch.set_num_threads(1)
     results = {}
-    for name, fn in CASES.items():
-        try:
-            fn()
-            results[name] = None
-        except Exception:  # noqa: BLE001 - reported to the parent test
-            results[name] = traceback.format_exc()
+    for variant, cap in CAPS.items():
+        _cap[0] = cap
+        for name, fn in CASES.items():
+            try:
+                fn()
+                results[f"{name}/{variant}"] = None
+            except Exception:  # noqa: BLE001 - reported to the parent test
+                results[f"{name}/{variant}"] = traceback.format_exc()
     print(json.dumps(results))
 
 
@@ -205,9 +211,11 @@ def interpreter_results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("variant", list(CAPS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_interpreter(case: str, interpreter_results: dict) -> None:
-    assert interpreter_results[case] is None, interpreter_results[case]
+def test_interpreter(case: str, variant: str, interpreter_results: dict) -> None:
+    result = interpreter_results[f"{case}/{variant}"]
+    assert result is None, result
 
 
 @pytest.mark.gpu
@@ -216,8 +224,10 @@ class TestGLM5Shape:
     rounding, for plain DSA and KPool 4 (512 of 1024 pools), deterministic."""
 
     @staticmethod
-    def check(kpool: int, relu: bool) -> None:
-        from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
+    def check(kpool: int, relu: bool, cap: int = CAPS["cap256"]) -> None:
+        from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
+
+        config = LaunchConfig(cand_cap=cap)
 
         t, h, d, topk = 4096, 32, 128, 2048 // kpool
         gen = torch.Generator(device="cuda").manual_seed(kpool)
@@ -226,8 +236,8 @@ class TestGLM5Shape:
         q = torch.randn(t, h, d, generator=gen, device="cuda").bfloat16()
         keys = torch.randn(n, d, generator=gen, device="cuda").bfloat16()
         w = torch.rand(t, h, generator=gen, device="cuda") * (h * d) ** -0.5
-        got = range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu)
-        assert torch.equal(got, range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu))
+        got = range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu, config=config)
+        assert torch.equal(got, range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu, config=config))
         ref = chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=relu, chunk_size=512)
         qd, kd, wd = q.double(), keys.double(), w.double()
         exact = torch.cat([
@@ -242,15 +252,21 @@ class TestGLM5Shape:
                                     (4 * (d + h) * 2**-24 * bound).cpu())
         assert (got != ref).any(1).float().mean() < 0.05
 
+    @pytest.mark.parametrize("cap", list(CAPS.values()))
     @pytest.mark.parametrize("kpool", [1, 4])
-    def test_matches_reference(self, kpool: int) -> None:
-        self.check(kpool, relu=True)
+    def test_matches_reference(self, kpool: int, cap: int) -> None:
+        self.check(kpool, relu=True, cap=cap)
 
     def test_identity_scoring(self) -> None:
         self.check(1, relu=False)
 
-    def test_signed_zeros(self) -> None:
-        case_signed_zeros("cuda")
+    @pytest.mark.parametrize("cap", list(CAPS.values()))
+    def test_signed_zeros(self, cap: int) -> None:
+        _cap[0] = cap
+        try:
+            case_signed_zeros("cuda")
+        finally:
+            _cap[0] = CAPS["cap256"]
 
 
 if __name__ == "__main__":

@@ -9,20 +9,25 @@
 Each program owns ``BLOCK_T`` consecutive queries and walks the keys they can see in blocks of
 ``BLOCK_N``, scoring them on the tensor cores (``[BLOCK_T * h, d] @ [d, BLOCK_N]`` in FP32, ReLU,
 weighted sum over heads). A score ``s`` is mapped to a 32-bit descending key ``v`` (order-reversing
-image of the FP32 bits, ``-0.0`` folded into ``+0.0``: smaller ``v`` = larger score). A radix select
-finds every query's ``k``-th smallest ``v`` exactly, 8 bits per pass: pass ``p`` rescores the keys
-and builds a per-query histogram of digit ``p`` over the keys whose higher digits equal the digits
-chosen so far (4 passes). A fifth pass writes the keys with ``v`` below the threshold, then those
-equal to it in ascending key order until ``k`` are written, as packed int64
-``(v - 2^31) << 32 | index`` into a ``[t, topk]`` buffer; one row-wise sort of that buffer orders
-the result by (score desc, index asc). Rescoring is cheaper than storing: a score costs ``2 h d``
-FLOPs on the tensor cores and the keys stay in L2.
+image of the FP32 bits, ``-0.0`` folded into ``+0.0``: smaller ``v`` = larger score). Every query
+must take its ``k`` smallest ``(v, index)`` pairs. A radix select narrows the ``k``-th ``v`` down,
+8 bits per pass: each histogram pass rescores the keys and counts digit ``p`` of the keys whose
+higher digits equal the digits chosen so far (the "bucket"). As soon as every query's bucket holds
+at most ``CAP`` keys (before any pass when few keys are visible; for continuous scores expected
+after two passes at 32K keys), one collecting pass writes the keys better than the bucket to the
+output and the bucket's keys to a ``[t, CAP]`` scratch buffer, and the best ``rem`` of those are
+ranked pairwise by ``(v, index)`` in registers. If buckets stay larger (massive ties), after four
+passes all 32 bits are known and the final pass writes the better keys, then the tied ones in key
+order.
+Keys go out packed as int64 ``(v - 2^31) << 32 | index``; one row-wise sort of the ``[t, topk]``
+result orders it by (score desc, index asc). Rescoring is cheaper than storing scores: a score costs
+``2 h d`` FLOPs on the tensor cores and the keys stay in L2.
 
 All passes run in one loop of one kernel, so every pass sees bit-identical scores; there are no
-atomics across programs, so results are deterministic. Memory: ``O(t * topk)``; the result itself
-serves as the packed buffer and is sorted and decoded in place, 4096 rows at a time. Scores are FP32
-summed in a different order than the PyTorch reference, so keys whose scores lie within FP32
-rounding of the ``k``-th may swap.
+atomics across programs, so results are deterministic. Memory: ``O(t * (topk + CAP))``; the
+result itself serves as the packed buffer and is sorted and decoded in place, 4096 rows at a time.
+Scores are FP32 summed in a different order than the PyTorch reference, so keys whose scores lie
+within FP32 rounding of the ``k``-th may swap.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class LaunchConfig:
     block_m: int = 128  # query-head rows per tensor-core product (queries per program * heads)
     num_warps: int = 8
     num_stages: int = 2
+    cand_cap: int = 256  # power of 2: candidates per query ranked in registers once they fit
 
 
 DEFAULT_CONFIG = LaunchConfig()
@@ -67,15 +73,19 @@ def _load_keys(k_ptr, start, stop, stride_kn, D: tl.constexpr, BLOCK_D: tl.const
 
 @triton.jit
 def _range_topk_kernel(
-    q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr,
+    q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, cand_ptr,
     t, n, topk,
     stride_qt, stride_qh, stride_kn, stride_wt, stride_wh,
     H: tl.constexpr, D: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    RELU: tl.constexpr, PRECISION: tl.constexpr, PASSES: tl.constexpr, RADIX_BITS: tl.constexpr,
+    CAP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr, PASSES: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
 ):
-    """One program: queries ``pid * BLOCK_T ..``; writes packed keys into ``out [t, topk]``."""
+    """One program: queries ``pid * BLOCK_T ..``; writes packed keys into ``out [t, topk]``,
+    using ``cand [t, CAP]`` as scratch."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
+    EMPTY: tl.constexpr = 0x7FFFFFFFFFFFFFFF
+    RANK_STEP: tl.constexpr = 16
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries see the most keys: first
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < t
@@ -99,16 +109,24 @@ def _range_topk_kernel(
 
     bin_base = (tl.arange(0, BLOCK_T) * NBINS)[:, None]  # per-query histogram slice
     digits = tl.arange(0, NBINS)
+    slots = tl.arange(0, CAP)
+    out_row = out_ptr + rows64[:, None] * topk
+    cand_row = cand_ptr + rows64[:, None] * CAP
     prefix = tl.zeros([BLOCK_T], dtype=tl.uint32)  # digits of the threshold found so far
     known = tl.zeros([BLOCK_T], dtype=tl.uint32)  # bit mask of those digits
-    rem = k_eff  # keys still to place at or below the current prefix
-    for p in range(0, PASSES + 1):
+    rem = k_eff  # keys still to take among those whose known digits equal the prefix
+    bucket = count.to(tl.int32)  # number of those keys
+    done = tl.zeros([], dtype=tl.int32)
+    for p in range(0, PASSES + 1):  # p histogram passes are behind
+        fits = tl.max(bucket, axis=0) <= CAP
+        collect = (done == 0) & fits
+        histogram = (done == 0) & (tl.max(bucket, axis=0) > CAP) & (p < PASSES)
         shift = 32 - RADIX_BITS * (p + 1)
         hist = tl.zeros([BLOCK_T * NBINS], dtype=tl.int32)
-        n_gt = k_eff - rem  # final pass: keys strictly better than the threshold
-        run_gt = tl.zeros([BLOCK_T], dtype=tl.int32)
-        run_eq = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for start in range(k_start, k_stop, BLOCK_N):  # Triton pipelines the key loads (cp.async)
+        n_better = k_eff - rem
+        run_better = tl.zeros([BLOCK_T], dtype=tl.int32)
+        run_same = tl.zeros([BLOCK_T], dtype=tl.int32)
+        for start in range(k_start, tl.where(done == 0, k_stop, k_start), BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             kt = _load_keys(k_ptr, start, k_stop, stride_kn, D, BLOCK_D, BLOCK_N)
             logits = tl.dot(q, kt, input_precision=PRECISION)  # [BLOCK_T * BLOCK_H, BLOCK_N] FP32
@@ -119,34 +137,48 @@ def _range_topk_kernel(
             bits = score.to(tl.uint32, bitcast=True)
             bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 -> +0.0
             v = tl.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)  # descending key
-            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None])
-            if p < PASSES:
-                cand = vis & ((v & known[:, None]) == prefix[:, None])
+            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & row_ok[:, None]
+            same = vis & ((v & known[:, None]) == prefix[:, None])
+            if histogram:
                 slot = ((v >> shift) & (NBINS - 1)).to(tl.int32) + bin_base
                 hist += tl.histogram(
                     tl.reshape(slot, (BLOCK_T * BLOCK_N,)),
                     BLOCK_T * NBINS,
-                    mask=tl.reshape(cand, (BLOCK_T * BLOCK_N,)),
+                    mask=tl.reshape(same, (BLOCK_T * BLOCK_N,)),
                 )
-            else:
-                gt = vis & (v < prefix[:, None])
-                eq = vis & (v == prefix[:, None])
-                pos_gt = run_gt[:, None] + tl.cumsum(gt.to(tl.int32), axis=1) - 1
-                pos_eq = n_gt[:, None] + run_eq[:, None] + tl.cumsum(eq.to(tl.int32), axis=1) - 1
-                take = gt | (eq & (pos_eq < k_eff[:, None]))
-                pos = tl.where(gt, pos_gt, pos_eq)
+            else:  # keys better than the prefix go out; the prefix's own to scratch or out
+                better = vis & ((v & known[:, None]) < prefix[:, None])
                 high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
                 packed = (high << 32) | cols[None, :].to(tl.int64)
-                tl.store(out_ptr + rows64[:, None] * topk + pos, packed, mask=take & row_ok[:, None])
-                run_gt += tl.sum(gt.to(tl.int32), axis=1)
-                run_eq += tl.sum(eq.to(tl.int32), axis=1)
-        if p < PASSES:
+                pos = run_better[:, None] + tl.cumsum(better.to(tl.int32), axis=1) - 1
+                tl.store(out_row + pos, packed, mask=better)
+                pos = run_same[:, None] + tl.cumsum(same.to(tl.int32), axis=1) - 1
+                if collect:
+                    tl.store(cand_row + pos, packed, mask=same)
+                else:  # all digits known: the first ``rem`` ties in key order
+                    tl.store(out_row + n_better[:, None] + pos, packed, mask=same & (pos < rem[:, None]))
+                run_better += tl.sum(better.to(tl.int32), axis=1)
+                run_same += tl.sum(same.to(tl.int32), axis=1)
+        if histogram:
             counts = tl.reshape(hist, (BLOCK_T, NBINS))
             below = tl.cumsum(counts, axis=1)  # keys with this digit or a better one
             digit = tl.sum((below < rem[:, None]).to(tl.int32), axis=1)  # digit of the k-th key
             rem -= tl.sum(tl.where(digits[None, :] < digit[:, None], counts, 0), axis=1)
+            bucket = tl.sum(tl.where(digits[None, :] == digit[:, None], counts, 0), axis=1)
             prefix = prefix | (digit.to(tl.uint32) << shift)
             known = known | ((known * 0 + (NBINS - 1)) << shift)
+        if collect:  # the best ``rem`` candidates by (v, index): rank them pairwise
+            tl.debug_barrier()  # the candidates were stored by other threads of this program
+            filled = (slots[None, :] < bucket[:, None]) & row_ok[:, None]
+            mine = tl.load(cand_row + slots[None, :], mask=filled, other=EMPTY)  # [BLOCK_T, CAP]
+            rank = tl.zeros([BLOCK_T, CAP], dtype=tl.int32)
+            for j in range(0, tl.max(bucket, axis=0), RANK_STEP):
+                js = j + tl.arange(0, RANK_STEP)
+                mask = (js[None, :] < bucket[:, None]) & row_ok[:, None]
+                other = tl.load(cand_row + js[None, :], mask=mask, other=EMPTY)  # [BLOCK_T, RANK_STEP]
+                rank += tl.sum((other[:, None, :] < mine[:, :, None]).to(tl.int32), axis=2)
+            tl.store(out_row + n_better[:, None] + rank, mine, mask=filled & (rank < rem[:, None]))
+        done = tl.where(collect | (p == PASSES), 1, done)
 
 
 def _block_t(block_h: int, block_m: int) -> int:
@@ -199,12 +231,13 @@ def range_topk_triton(
         block_h = triton.next_power_of_2(h)
         block_t = _block_t(block_h, config.block_m)
         packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)  # the result
+        cand = torch.empty((t, config.cand_cap), dtype=torch.long, device=q.device)
         _range_topk_kernel[(triton.cdiv(t, block_t),)](
-            q, keys, weights, lo, hi, packed,
+            q, keys, weights, lo, hi, packed, cand,
             t, n, topk,
             q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), weights.stride(1),
             H=h, D=d, BLOCK_T=block_t, BLOCK_H=block_h,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=config.block_n,
+            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=config.block_n, CAP=config.cand_cap,
             RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
             PASSES=_PASSES, RADIX_BITS=_RADIX_BITS,
             num_warps=config.num_warps, num_stages=config.num_stages,
