@@ -85,7 +85,7 @@ def _range_topk_kernel(
     using ``cand [t, CAP]`` as scratch."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
     EMPTY: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-    RANK_STEP: tl.constexpr = 16
+    RANK_STEP: tl.constexpr = 8
     pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries see the most keys: first
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < t
