@@ -50,8 +50,12 @@ def scores64(q, keys, w, relu: bool) -> torch.Tensor:
 
 def assert_equal_up_to_rounding(got, ref, scores, lo, hi, tol) -> None:
     """``got`` and ``ref`` [t, k] select the same keys except keys whose exact ``scores`` [t, n] lie
-    within ``tol`` [t] of the reference's k-th selected score; -1 slots agree."""
+    within ``tol`` [t] of the reference's k-th selected score; -1 slots agree; ``got`` is ordered
+    by exact score up to ``tol``."""
     assert torch.equal(got < 0, ref < 0)
+    ordered = scores.gather(1, got.clamp_min(0))
+    rise = (ordered[:, 1:] - ordered[:, :-1]).masked_fill(got[:, 1:] < 0, 0)
+    assert (rise <= tol[:, None]).all(), float((rise - tol[:, None]).max())
     for row in torch.nonzero((got != ref).any(1)).flatten().tolist():
         g, r = set(got[row].tolist()) - {-1}, set(ref[row].tolist()) - {-1}
         kth = scores[row, ref[row][ref[row] >= 0][-1]]
@@ -228,7 +232,6 @@ class TestGLM5Shape:
         from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
 
         config = LaunchConfig(cand_cap=cap)
-
         t, h, d, topk = 4096, 32, 128, 2048 // kpool
         gen = torch.Generator(device="cuda").manual_seed(kpool)
         layout = pool_layout(t, kpool, torch.tensor([0, 1000, t]), device="cuda")
@@ -239,18 +242,14 @@ class TestGLM5Shape:
         got = range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu, config=config)
         assert torch.equal(got, range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=relu, config=config))
         ref = chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=relu, chunk_size=512)
-        qd, kd, wd = q.double(), keys.double(), w.double()
-        exact = torch.cat([
-            torch.einsum("th,thn->tn", wd[i:i + 256], torch.einsum("thd,nd->thn", qd[i:i + 256], kd).relu()
-                         if relu else torch.einsum("thd,nd->thn", qd[i:i + 256], kd))
-            for i in range(0, t, 256)
-        ])
+        exact = torch.cat([scores64(q[i:i + 256], keys, w[i:i + 256], relu) for i in range(0, t, 256)])
         # Both sides sum d products and h heads in FP32: each is within (d + h) eps of the exact
         # score times the sum of absolute terms, bounded by Cauchy-Schwarz.
-        bound = (wd.abs() * qd.norm(dim=2)).sum(1) * kd.norm(dim=1).max()
+        bound = (w.double().abs() * q.double().norm(dim=2)).sum(1) * keys.double().norm(dim=1).max()
         assert_equal_up_to_rounding(got.cpu(), ref.cpu(), exact.cpu(), lo.cpu(), hi.cpu(),
                                     (4 * (d + h) * 2**-24 * bound).cpu())
-        assert (got != ref).any(1).float().mean() < 0.05
+        differ = [set(a) != set(b) for a, b in zip(got.tolist(), ref.tolist())]
+        assert sum(differ) < 0.05 * t  # sets differ only through near-ties at the k-th score
 
     @pytest.mark.parametrize("cap", list(CAPS.values()))
     @pytest.mark.parametrize("kpool", [1, 4])

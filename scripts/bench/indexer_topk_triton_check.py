@@ -7,7 +7,8 @@ top-2048, ReLU scoring, bf16 inputs, FP32 weights).
    and with one of 16 that forces the radix passes: determinism (bit-identical twice),
    rows identical to the reference, rows with the same set, and for the keys where the sets differ
    their exact (FP64) score distance to the reference's k-th score over an FP32 rounding bound
-   (``ratio <= 1`` passes).
+   (``swap ratio <= 1`` passes); the largest rise of exact scores along the Triton order over the
+   same bound (``order ratio <= 1`` passes).
 2. Timing (``triton.testing.do_bench``, median ms) and extra peak memory of scoring + top-k at
    s = 4K .. 32K (one causal document, t = s queries), kpool 1 and 4, reference vs Triton; the
    Triton row also gives the FLOP rate of one scoring pass over its time (it makes 1 to 5 passes).
@@ -84,15 +85,18 @@ def correctness(kpool: int, t: int, cap: int, gen: torch.Generator) -> dict[str,
     in_got = member.scatter(1, got[differs] + 1, True)[:, 1:]  # column 0 collects the -1 slots
     in_ref = member.scatter(1, ref[differs] + 1, True)[:, 1:]
     sym = in_got ^ in_ref
+    # Both sides sum d products and h heads in FP32; Cauchy-Schwarz bounds the absolute terms.
+    bound = (w.double().abs() * q.double().norm(dim=2)).sum(1) * keys.double().norm(dim=1).max()
+    tol = 4 * (DIM + HEADS) * 2**-24 * bound  # [t]
+    exact = exact_scores(q, keys, w, torch.arange(t, device=DEVICE))  # [t, n]
+    ordered = exact.gather(1, got.clamp_min(0))
+    rise = (ordered[:, 1:] - ordered[:, :-1]).masked_fill(got[:, 1:] < 0, 0)
+    order_ratio = float((rise / tol[:, None]).max().clamp_min(0))
     ratio = 0.0
     if differs.numel():
-        exact = exact_scores(q, keys, w, differs)
         last = ((ref[differs] >= 0).sum(1) - 1).clamp_min(0)
-        kth = exact.gather(1, ref[differs].gather(1, last[:, None]).clamp_min(0))
-        # Both sides sum d products and h heads in FP32; Cauchy-Schwarz bounds the absolute terms.
-        bound = (w[differs].double().abs() * q[differs].double().norm(dim=2)).sum(1)
-        tol = 4 * (DIM + HEADS) * 2**-24 * bound * keys.double().norm(dim=1).max()
-        ratio = float(((exact - kth).abs() / tol[:, None]).masked_fill(~sym, 0).max())
+        kth = exact[differs].gather(1, ref[differs].gather(1, last[:, None]).clamp_min(0))
+        ratio = float(((exact[differs] - kth).abs() / tol[differs, None]).masked_fill(~sym, 0).max())
     return {
         "kpool": kpool, "t": t, "topk": topk, "cand_cap": cap,
         "deterministic": bool(torch.equal(got, again)),
@@ -101,7 +105,8 @@ def correctness(kpool: int, t: int, cap: int, gen: torch.Generator) -> dict[str,
         "rows_same_set": 1.0 - float(sym.any(1).sum()) / t,
         "keys_swapped": int(sym.sum()) // 2,
         "max_swap_ratio": ratio,
-        "ok": bool(torch.equal(got, again) and torch.equal(got < 0, ref < 0) and ratio <= 1.0),
+        "max_order_ratio": order_ratio,
+        "ok": bool(torch.equal(got, again) and torch.equal(got < 0, ref < 0) and max(ratio, order_ratio) <= 1.0),
     }
 
 
@@ -167,11 +172,13 @@ def fmt(x: Any, spec: str = ".2f") -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}")
-    print(f"correctness (t={result['args']['check_t']}): kpool  cap  ok  determ  rows_identical  rows_same_set  swapped  max_ratio")
+    print(f"correctness (t={result['args']['check_t']}): kpool  cap  ok  determ  rows_identical  rows_same_set  swapped  "
+          "swap_ratio  order_ratio")
     for c in result["correctness"]:
         print(f"  {c['kpool']:>5}  {c['cand_cap']:>4}  {c.get('ok')!s:>5}  {c.get('deterministic')!s:>6}  "
               f"{fmt(c.get('rows_identical'), '.4f'):>14}  {fmt(c.get('rows_same_set'), '.4f'):>13}  "
-              f"{fmt(c.get('keys_swapped'), 'd'):>7}  {fmt(c.get('max_swap_ratio'), '.3f'):>9}")
+              f"{fmt(c.get('keys_swapped'), 'd'):>7}  {fmt(c.get('max_swap_ratio'), '.3f'):>10}  "
+              f"{fmt(c.get('max_order_ratio'), '.3f'):>11}")
     print("timing:     s  kpool  torch_ms  triton_ms  speedup  torch_MiB  triton_MiB  1pass_TFLOP/s")
     for r in result["timing"]:
         a, b = r["torch"], r["triton"]
