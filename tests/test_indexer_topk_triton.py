@@ -222,6 +222,15 @@ def test_interpreter(case: str, variant: str, interpreter_results: dict) -> None
     assert result is None, result
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs CPU tensors")
+def test_cpu_tensors_rejected() -> None:
+    from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
+
+    lo, hi = torch.zeros(4, dtype=torch.long), torch.full((4,), 8)
+    with pytest.raises(ValueError, match="CUDA"):
+        range_topk_triton(torch.randn(4, 2, 16), torch.randn(8, 16), torch.rand(4, 2), lo, hi, topk=2, relu=True)
+
+
 @pytest.mark.gpu
 class TestGLM5Shape:
     """t = 4096, h = 32, d = 128, topk = 2048 in bf16: same sets as the reference up to FP32

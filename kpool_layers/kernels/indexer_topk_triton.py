@@ -32,6 +32,7 @@ within FP32 rounding of the ``k``-th may swap.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -220,6 +221,8 @@ def range_topk_triton(
     dtype = torch.promote_types(q.dtype, keys.dtype)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"range_topk_triton scores bf16/fp16/fp32 inputs, got {dtype}")
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("range_topk_triton runs on CUDA tensors (CPU only under TRITON_INTERPRET=1)")
     with torch.no_grad():
         q, keys = q.detach().to(dtype), keys.detach().to(dtype)
         if q.stride(2) != 1:
