@@ -11,7 +11,8 @@ top-2048, ReLU scoring, bf16 inputs, FP32 weights).
    same bound (``order ratio <= 1`` passes).
 2. Timing (``triton.testing.do_bench``, median ms) and extra peak memory of scoring + top-k at
    s = 4K .. 32K (one causal document, t = s queries), kpool 1 and 4, reference vs Triton; the
-   Triton row also gives the FLOP rate of one scoring pass over its time (it makes 1 to 5 passes).
+   Triton row also gives the FLOP rate of one scoring pass over its time (it makes 1 to 5 passes)
+   and the time of its final row-wise sort of the ``[t, topk]`` int64 result alone.
 3. A sweep of launch configs at s = 16K, kpool 1.
 
 Prints a table last and writes JSON to ``--out``. Runs on torch >= 2.6 and triton >= 3.4.
@@ -142,6 +143,8 @@ def timing(s: int, kpool: int, rep: int, chunk: int, gen: torch.Generator) -> di
     tri = bench(lambda: range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=True), rep)
     if tri["ms"]:  # the rate one scoring pass alone would need (the kernel makes 1 to 5)
         tri["one_pass_tflops"] = 2 * HEADS * DIM * pairs / (tri["ms"] * 1e-3) / 1e12
+        packed = torch.randint(0, 2**62, (s, topk), generator=gen, device=DEVICE)
+        tri["final_sort_ms"] = bench(lambda: torch.sort(packed, dim=1), rep)["ms"]  # part of "ms"
     return {"s": s, "kpool": kpool, "n_keys": n, "topk": topk, "pairs": pairs, "torch": ref, "triton": tri}
 
 
@@ -179,11 +182,12 @@ def print_table(result: dict[str, Any]) -> None:
               f"{fmt(c.get('rows_identical'), '.4f'):>14}  {fmt(c.get('rows_same_set'), '.4f'):>13}  "
               f"{fmt(c.get('keys_swapped'), 'd'):>7}  {fmt(c.get('max_swap_ratio'), '.3f'):>10}  "
               f"{fmt(c.get('max_order_ratio'), '.3f'):>11}")
-    print("timing:     s  kpool  torch_ms  triton_ms  speedup  torch_MiB  triton_MiB  1pass_TFLOP/s")
+    print("timing:     s  kpool  torch_ms  triton_ms  (sort_ms)  speedup  torch_MiB  triton_MiB  1pass_TFLOP/s")
     for r in result["timing"]:
         a, b = r["torch"], r["triton"]
         speed = a["ms"] / b["ms"] if a["ms"] and b["ms"] else None
-        print(f"  {r['s']:>10}  {r['kpool']:>5}  {fmt(a['ms']):>8}  {fmt(b['ms']):>9}  {fmt(speed):>7}  "
+        print(f"  {r['s']:>10}  {r['kpool']:>5}  {fmt(a['ms']):>8}  {fmt(b['ms']):>9}  {fmt(b.get('final_sort_ms')):>9}  "
+              f"{fmt(speed):>7}  "
               f"{fmt(a['peak_mib'], '.0f'):>9}  {fmt(b['peak_mib'], '.0f'):>10}  {fmt(b.get('one_pass_tflops'), '.0f'):>13}"
               + (f"  {b['error'][:80]}" if "error" in b else ""))
     if result["sweep"]:
