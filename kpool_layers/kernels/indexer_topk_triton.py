@@ -152,10 +152,10 @@ def _range_topk_kernel(
                 high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
                 packed = (high << 32) | cols[None, :].to(tl.int64)
                 pos = run_better[:, None] + tl.cumsum(better.to(tl.int32), axis=1) - 1
-                tl.store(out_row + pos, packed, mask=better)
+                tl.store(out_row + pos, packed, mask=better & (pos < k_eff[:, None]))
                 pos = run_same[:, None] + tl.cumsum(same.to(tl.int32), axis=1) - 1
                 if collect:
-                    tl.store(cand_row + pos, packed, mask=same)
+                    tl.store(cand_row + pos, packed, mask=same & (pos < CAP))
                 else:  # all digits known: the first ``rem`` ties in key order
                     tl.store(out_row + n_better[:, None] + pos, packed, mask=same & (pos < rem[:, None]))
                 run_better += tl.sum(better.to(tl.int32), axis=1)
@@ -169,16 +169,20 @@ def _range_topk_kernel(
             prefix = prefix | (digit.to(tl.uint32) << shift)
             known = known | ((known * 0 + (NBINS - 1)) << shift)
         if collect:  # the best ``rem`` candidates by (v, index): rank them pairwise
+            # (counts as written: they equal ``bucket`` and ``n_better``, as every pass computes
+            # bit-identical scores; the masks above only keep writes inside their rows regardless)
+            n_cand = tl.minimum(run_same, CAP)
             tl.debug_barrier()  # the candidates were stored by other threads of this program
-            filled = (slots[None, :] < bucket[:, None]) & row_ok[:, None]
+            filled = (slots[None, :] < n_cand[:, None]) & row_ok[:, None]
             mine = tl.load(cand_row + slots[None, :], mask=filled, other=EMPTY)  # [BLOCK_T, CAP]
             rank = tl.zeros([BLOCK_T, CAP], dtype=tl.int32)
-            for j in range(0, tl.max(bucket, axis=0), RANK_STEP):
+            for j in range(0, tl.max(n_cand, axis=0), RANK_STEP):
                 js = j + tl.arange(0, RANK_STEP)
-                mask = (js[None, :] < bucket[:, None]) & row_ok[:, None]
+                mask = (js[None, :] < n_cand[:, None]) & row_ok[:, None]
                 other = tl.load(cand_row + js[None, :], mask=mask, other=EMPTY)  # [BLOCK_T, RANK_STEP]
                 rank += tl.sum((other[:, None, :] < mine[:, :, None]).to(tl.int32), axis=2)
-            tl.store(out_row + n_better[:, None] + rank, mine, mask=filled & (rank < rem[:, None]))
+            take = filled & (rank < (k_eff - run_better)[:, None])
+            tl.store(out_row + run_better[:, None] + rank, mine, mask=take)
         done = tl.where(collect | (p == PASSES), 1, done)
 
 
