@@ -111,7 +111,8 @@ def case_kpool4_identity_fp16() -> None:
 
 
 def case_ties_lower_index() -> None:
-    """Values in {-1, 0, 1}: the k-th score is tied in most rows; ties go to the lower index."""
+    """Inputs in {-1, 0, 1} times 1/8 (weights 1/4): the k-th score is tied in most rows; ties go
+    to the lower index."""
     gen = torch.Generator().manual_seed(7)
     t, n, topk = 96, 96, 16
     lo, hi, _ = layout_range(t, 1, None)
