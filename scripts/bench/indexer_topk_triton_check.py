@@ -1,0 +1,247 @@
+"""Check and time the fused Triton indexer top-k (``range_topk_triton``) against the chunked
+PyTorch reference (``chunked_range_topk``) on one GPU, GLM-5 indexer shape (32 heads x 128,
+top-2048, ReLU scoring, bf16 inputs, FP32 weights).
+
+1. Correctness at t = 4096 (two packed documents, 3:5), kpool 1 (token keys) and kpool 4 (pooled keys
+   from ``pool_keys``, top-512 of the pools each query sees), with the default candidate buffer
+   and with one of 16 that forces the radix passes: determinism (bit-identical twice),
+   rows identical to the reference, rows with the same set, and for the keys where the sets differ
+   their exact (FP64) score distance to the reference's k-th score over an FP32 rounding bound
+   (``swap ratio <= 1`` passes); the largest rise of exact scores along the Triton order over the
+   same bound (``order ratio <= 1`` passes).
+2. Timing (``triton.testing.do_bench``, median ms) and extra peak memory of scoring + top-k at
+   s = 4K .. 32K (one causal document, t = s queries), kpool 1 and 4, reference vs Triton; the
+   Triton row also gives the FLOP rate of one scoring pass over its time (it makes 1 to 5 passes)
+   and the time of its final row-wise sort of the ``[t, topk]`` int64 result alone.
+3. A sweep of launch configs at s = 16K, kpool 1.
+
+Prints a table last and writes JSON to ``--out``. Runs on torch >= 2.6 and triton >= 3.4.
+
+    python scripts/bench/indexer_topk_triton_check.py --out runs/indexer_topk_triton.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton  # noqa: E402
+from kpool_layers.kpool import pool_keys, pool_layout  # noqa: E402
+from kpool_layers.topk import chunked_range_topk  # noqa: E402
+
+HEADS, DIM, TOPK = 32, 128, 2048
+DEVICE = "cuda"
+SWEEP = [LaunchConfig(block_n=bn, block_m=bm, num_warps=nw, num_stages=ns, cand_cap=cap)
+         for bn, bm, nw, ns, cap in [(64, 128, 8, 2, 256), (64, 128, 8, 2, 128), (64, 128, 8, 2, 512),
+                                     (64, 128, 4, 2, 256), (128, 128, 8, 2, 256), (32, 128, 4, 2, 256),
+                                     (32, 256, 8, 2, 256), (64, 256, 8, 2, 256), (64, 64, 4, 2, 256),
+                                     (64, 128, 8, 3, 256)]]
+CHECK_CAPS = [LaunchConfig().cand_cap, 16]  # the default, and one that forces the radix passes
+
+
+def inputs(t: int, kpool: int, cu: list[int], gen: torch.Generator):
+    """q [t, h, d] bf16, keys [n, d] bf16 (pooled for kpool > 1), weights [t, h] FP32, lo, hi."""
+    dev = DEVICE
+    layout = pool_layout(t, kpool, torch.tensor(cu), device=dev)
+    q = torch.randn(t, HEADS, DIM, generator=gen, device=dev).bfloat16()
+    keys = torch.randn(t, DIM, generator=gen, device=dev).bfloat16()
+    if kpool > 1:
+        gate = torch.randn(t, DIM, generator=gen, device=dev).bfloat16()
+        ape = 0.1 * torch.randn(kpool, DIM, generator=gen, device=dev)
+        keys = pool_keys(keys, gate, ape, layout)
+    w = torch.rand(t, HEADS, generator=gen, device=dev) * (HEADS * DIM) ** -0.5
+    return q, keys, w, layout.query_lo, layout.query_hi
+
+
+def exact_scores(q, keys, w, rows) -> torch.Tensor:
+    """FP64 ReLU scores [len(rows), n] of the given query rows."""
+    out = []
+    for part in rows.split(64):
+        logits = torch.einsum("rhd,nd->rhn", q[part].double(), keys.double()).relu()
+        out.append(torch.einsum("rh,rhn->rn", w[part].double(), logits))
+    return torch.cat(out)
+
+
+def correctness(kpool: int, t: int, cap: int, gen: torch.Generator) -> dict[str, Any]:
+    topk = TOPK // kpool
+    q, keys, w, lo, hi = inputs(t, kpool, [0, 3 * t // 8, t], gen)
+    config = LaunchConfig(cand_cap=cap)
+    got = range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=True, config=config)
+    again = range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=True, config=config)
+    ref = chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=True, chunk_size=1024)
+    n = keys.shape[0]
+    differs = torch.nonzero((got != ref).any(1)).flatten()
+    member = torch.zeros(differs.numel(), n + 1, dtype=torch.bool, device=DEVICE)
+    in_got = member.scatter(1, got[differs] + 1, True)[:, 1:]  # column 0 collects the -1 slots
+    in_ref = member.scatter(1, ref[differs] + 1, True)[:, 1:]
+    sym = in_got ^ in_ref
+    # Both sides sum d products and h heads in FP32; Cauchy-Schwarz bounds the absolute terms.
+    bound = (w.double().abs() * q.double().norm(dim=2)).sum(1) * keys.double().norm(dim=1).max()
+    tol = 4 * (DIM + HEADS) * 2**-24 * bound  # [t]
+    exact = exact_scores(q, keys, w, torch.arange(t, device=DEVICE))  # [t, n]
+    ordered = exact.gather(1, got.clamp_min(0))
+    rise = (ordered[:, 1:] - ordered[:, :-1]).masked_fill(got[:, 1:] < 0, 0)
+    order_ratio = float((rise / tol[:, None]).max().clamp_min(0))
+    ratio = 0.0
+    if differs.numel():
+        last = ((ref[differs] >= 0).sum(1) - 1).clamp_min(0)
+        kth = exact[differs].gather(1, ref[differs].gather(1, last[:, None]).clamp_min(0))
+        ratio = float(((exact[differs] - kth).abs() / tol[differs, None]).masked_fill(~sym, 0).max())
+    return {
+        "kpool": kpool, "t": t, "topk": topk, "cand_cap": cap,
+        "deterministic": bool(torch.equal(got, again)),
+        "empty_slots_match": bool(torch.equal(got < 0, ref < 0)),
+        "rows_identical": float((got == ref).all(1).float().mean()),
+        "rows_same_set": 1.0 - float(sym.any(1).sum()) / t,
+        "keys_swapped": int(sym.sum()) // 2,
+        "max_swap_ratio": ratio,
+        "max_order_ratio": order_ratio,
+        "ok": bool(torch.equal(got, again) and torch.equal(got < 0, ref < 0) and max(ratio, order_ratio) <= 1.0),
+    }
+
+
+def peak_mib(fn: Callable[[], Any]) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench(fn: Callable[[], Any], rep: int) -> dict[str, Any]:
+    try:
+        return {"ms": do_bench(fn, warmup=25, rep=rep, return_mode="median"), "peak_mib": peak_mib(fn)}
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return {"ms": None, "peak_mib": None, "error": "OOM"}
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a result too
+        return {"ms": None, "peak_mib": None, "error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def timing(s: int, kpool: int, rep: int, chunk: int, gen: torch.Generator) -> dict[str, Any]:
+    topk = TOPK // kpool
+    layout = pool_layout(s, kpool, device=DEVICE)
+    n = layout.n_pools
+    q = torch.randn(s, HEADS, DIM, generator=gen, device=DEVICE).bfloat16()
+    keys = torch.randn(n, DIM, generator=gen, device=DEVICE).bfloat16()
+    w = torch.rand(s, HEADS, generator=gen, device=DEVICE)
+    lo, hi = layout.query_lo, layout.query_hi
+    pairs = int((hi - lo).clamp_min(0).sum())
+    ref = bench(lambda: chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=True, chunk_size=chunk), rep)
+    tri = bench(lambda: range_topk_triton(q, keys, w, lo, hi, topk=topk, relu=True), rep)
+    if tri["ms"]:  # the rate one scoring pass alone would need (the kernel makes 1 to 5)
+        tri["one_pass_tflops"] = 2 * HEADS * DIM * pairs / (tri["ms"] * 1e-3) / 1e12
+        packed = torch.randint(0, 2**62, (s, topk), generator=gen, device=DEVICE)
+        tri["final_sort_ms"] = bench(lambda: torch.sort(packed, dim=1), rep)["ms"]  # part of "ms"
+    return {"s": s, "kpool": kpool, "n_keys": n, "topk": topk, "pairs": pairs, "torch": ref, "triton": tri}
+
+
+def sweep(s: int, rep: int, gen: torch.Generator) -> list[dict[str, Any]]:
+    layout = pool_layout(s, 1, device=DEVICE)
+    q = torch.randn(s, HEADS, DIM, generator=gen, device=DEVICE).bfloat16()
+    keys = torch.randn(s, DIM, generator=gen, device=DEVICE).bfloat16()
+    w = torch.rand(s, HEADS, generator=gen, device=DEVICE)
+    args = (q, keys, w, layout.query_lo, layout.query_hi)
+    base = range_topk_triton(*args, topk=TOPK, relu=True)
+    rows = []
+    for cfg in SWEEP:
+        t0 = time.perf_counter()
+        try:
+            same = float((range_topk_triton(*args, topk=TOPK, relu=True, config=cfg) == base).all(1).float().mean())
+        except Exception as exc:  # noqa: BLE001
+            rows.append({"config": vars(cfg), "error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        compile_s = time.perf_counter() - t0
+        res = bench(lambda: range_topk_triton(*args, topk=TOPK, relu=True, config=cfg), rep)
+        rows.append({"config": vars(cfg), "first_call_s": compile_s, "rows_equal_default": same, **res})
+    return rows
+
+
+def fmt(x: Any, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{result['device']}  torch {result['torch']}  triton {result['triton']}")
+    print(f"correctness (t={result['args']['check_t']}): kpool  cap  ok  determ  rows_identical  rows_same_set  swapped  "
+          "swap_ratio  order_ratio")
+    for c in result["correctness"]:
+        print(f"  {c['kpool']:>5}  {c['cand_cap']:>4}  {c.get('ok')!s:>5}  {c.get('deterministic')!s:>6}  "
+              f"{fmt(c.get('rows_identical'), '.4f'):>14}  {fmt(c.get('rows_same_set'), '.4f'):>13}  "
+              f"{fmt(c.get('keys_swapped'), 'd'):>7}  {fmt(c.get('max_swap_ratio'), '.3f'):>10}  "
+              f"{fmt(c.get('max_order_ratio'), '.3f'):>11}")
+    print("timing:     s  kpool  torch_ms  triton_ms  (sort_ms)  speedup  torch_MiB  triton_MiB  1pass_TFLOP/s")
+    for r in result["timing"]:
+        a, b = r["torch"], r["triton"]
+        speed = a["ms"] / b["ms"] if a["ms"] and b["ms"] else None
+        print(f"  {r['s']:>10}  {r['kpool']:>5}  {fmt(a['ms']):>8}  {fmt(b['ms']):>9}  {fmt(b.get('final_sort_ms')):>9}  "
+              f"{fmt(speed):>7}  "
+              f"{fmt(a['peak_mib'], '.0f'):>9}  {fmt(b['peak_mib'], '.0f'):>10}  {fmt(b.get('one_pass_tflops'), '.0f'):>13}"
+              + (f"  {b['error'][:80]}" if "error" in b else ""))
+    if result["sweep"]:
+        print(f"sweep (s={result['args']['sweep_s']}, kpool 1): block_n block_m warps stages cap  ms  rows_equal_default")
+        for r in result["sweep"]:
+            c = r["config"]
+            print(f"  {c['block_n']:>7} {c['block_m']:>7} {c['num_warps']:>5} {c['num_stages']:>6} {c['cand_cap']:>4}  "
+                  f"{fmt(r.get('ms')):>8}  "
+                  f"{fmt(r.get('rows_equal_default'), '.4f')}" + (f"  {r['error'][:80]}" if "error" in r else ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--kpools", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--check-t", type=int, default=4096)
+    parser.add_argument("--chunk", type=int, default=1024, help="reference query chunk (GLM-5 config)")
+    parser.add_argument("--rep", type=int, default=200, help="do_bench repetition budget, ms")
+    parser.add_argument("--sweep-s", type=int, default=16384, help="0 skips the config sweep")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "args": vars(args), "correctness": [], "timing": [], "sweep": [],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        Path(args.out).write_text(json.dumps(result, indent=2))
+
+    for kpool in args.kpools:
+        for cap in CHECK_CAPS:
+            try:
+                result["correctness"].append(correctness(kpool, args.check_t, cap, gen))
+            except Exception:  # noqa: BLE001 - keep timing the reference
+                result["correctness"].append(
+                    {"kpool": kpool, "cand_cap": cap, "ok": False, "error": traceback.format_exc()[-2000:]})
+                print(result["correctness"][-1]["error"], flush=True)
+            print(result["correctness"][-1], flush=True)
+            save()
+    for s in args.sizes:
+        for kpool in args.kpools:
+            result["timing"].append(timing(s, kpool, args.rep, args.chunk, gen))
+            print(result["timing"][-1], flush=True)
+            save()
+    if args.sweep_s:
+        result["sweep"] = sweep(args.sweep_s, args.rep, gen)
+        save()
+
+    print_table(result)
+    print(f"json: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
