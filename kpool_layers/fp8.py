@@ -87,7 +87,9 @@ def compute_scale(amax: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> to
     shape. ``ue8m0``: ``2 ** ceil(log2(max(amax, 1e-4) / 448))``; ``amax``: ``max(amax, 1e-4) / 448``."""
     if scale_format not in SCALE_FORMATS:
         raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(SCALE_FORMATS)}")
-    ratio = amax.float().clamp(min=AMAX_EPS) / E4M3_MAX
+    # A tensor divisor keeps the division IEEE-exact on CUDA too (torch multiplies by the
+    # reciprocal of a Python-scalar divisor there), so CPU, CUDA and the fused kernel agree bit for bit.
+    ratio = amax.float().clamp(min=AMAX_EPS) / torch.full((), E4M3_MAX, device=amax.device)
     if scale_format == "amax":
         return ratio
     return torch.exp2(torch.ceil(torch.log2(ratio)))
