@@ -107,7 +107,8 @@ class IndexerLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205
         (loss,) = ctx.saved_tensors
         scale = IndexerLossAutoScaler.main_loss_backward_scale
-        loss_grad = torch.ones_like(loss) if scale is None else scale.to(loss).expand_as(loss)
+        # megatron's schedules pass a [1]-shaped scale (loss scale / num_microbatches).
+        loss_grad = torch.ones_like(loss) if scale is None else scale.to(loss).reshape(()).expand_as(loss)
         return grad_output, loss_grad
 
     @staticmethod
