@@ -93,7 +93,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
     dense = hf.get("first_k_dense_replace")
     dense = int(dense) if dense is not None else list(mlp_types or []).count("dense")
     if mlp_types is not None:
-        expected = ["dense"] * dense + ["sparse"] * (layers - dense)
+        experts = int(hf["n_routed_experts"])
+        moe_freq = model_facts.moe_layer_freq(layers, experts, dense)
+        expected = ["sparse" if model_facts.is_moe(n, experts, moe_freq) else "dense"
+                    for n in range(1, layers + 1)]
         _require(list(mlp_types) == expected, "mlp_layer_types", mlp_types,
                  f"first_k_dense_replace={dense} dense layers, then MoE: {expected}")
     kpool = int(hf.get("index_kpool", 1))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from kpool_layers.attention import collect_indexer_losses
+from recipes.drift_logging import logged_layer_number
 
 KEY = "dsa/indexer_loss"
 
@@ -38,14 +39,12 @@ class IndexerLossMonitor:
     def collect(self, model: torch.nn.Module) -> dict[int, float]:
         """Per-layer KL since the last call, reduced over DP and PP (every rank gets every
         layer); resets the layers' records. A collective: call on every rank at the same steps."""
+        local = collect_indexer_losses(model)  # resets the records on every rank
         sums = torch.zeros(2, self.total_layers, dtype=torch.float64)
-        if ps.get_tensor_model_parallel_rank() == 0:
-            for name, value in collect_indexer_losses(model).items():
-                mtp = ".mtp." in f".{name}"
-                number = model.get_submodule(name).layer_number + (self.num_layers if mtp else 0)
+        if ps.get_tensor_model_parallel_rank() == 0:  # TP ranks hold the same values
+            for name, value in local.items():
+                number = logged_layer_number(name, model.get_submodule(name).layer_number, self.num_layers)
                 sums[:, number - 1] += torch.tensor([value, 1.0], dtype=torch.float64)
-        else:
-            collect_indexer_losses(model)  # reset
         if torch.cuda.is_available():
             sums = sums.cuda()
         dist.all_reduce(sums)

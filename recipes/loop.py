@@ -315,7 +315,7 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
         line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
     if INDEXER_LOSS in extra:
-        line += f" | indexer_loss {extra[INDEXER_LOSS]:.4f}"
+        line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"
     logger.log(step, scalars, console=line)
 
 
