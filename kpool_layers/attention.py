@@ -35,10 +35,10 @@ of ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when set, as megatron) and no query
 document boundary. ``attention_mask`` is not read: attention is causal by construction and confined
 to documents only through ``packed_seq_params``. Context parallelism is not supported.
 
-IndexShare (``dsa_indexer_topk_freq > 1``): megatron's ``is_dsa_skip_topk_layer`` /
-``source_dsa_compute_layer`` decide the layers that compute top-k; skip layers build no indexer and
-take their source layer's indices from a :class:`TopKShare` shared by all layers built from one
-:func:`glm_attention_spec` (see its docstring for the lifetime rules).
+IndexShare (``dsa_indexer_topk_freq > 1``): the config's ``computes_topk`` / ``topk_source_layer``
+(:mod:`kpool_layers.model_facts`, megatron's rule) decide the layers that compute top-k; skip layers
+build no indexer and take their source layer's indices from a :class:`TopKShare` shared by all
+layers built from one :func:`glm_attention_spec` (see its docstring for the lifetime rules).
 
 Indexer loss (``dsa_indexer_loss_coeff > 0``, training with grad enabled, computing layers): the
 KL loss of :func:`kpool_layers.indexer_loss.indexer_kl_loss` is attached to the attention output by
@@ -63,10 +63,6 @@ from megatron.core.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.experimental_attention_variant.dsa import (
-    is_dsa_skip_topk_layer,
-    source_dsa_compute_layer,
-)
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
@@ -107,7 +103,8 @@ class IndexerLossAutoScaler(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # noqa: ANN001, ANN205
         (loss,) = ctx.saved_tensors
         scale = IndexerLossAutoScaler.main_loss_backward_scale
-        loss_grad = torch.ones_like(loss) if scale is None else scale.to(loss).expand_as(loss)
+        # megatron's schedules pass a [1]-shaped scale (loss scale / num_microbatches).
+        loss_grad = torch.ones_like(loss) if scale is None else scale.to(loss).reshape(()).expand_as(loss)
         return grad_output, loss_grad
 
     @staticmethod
@@ -214,15 +211,13 @@ class GLMSparseMLA(MegatronModule):
         self.softmax_scale = mla_softmax_scale(config)
         self.rotary = Rotary.from_config(config) if config.qk_pos_emb_head_dim > 0 else None
 
-        freq, offset = config.dsa_indexer_topk_freq, config.dsa_indexer_skip_topk_offset
-        shares = freq > 1
+        shares = config.dsa_indexer_topk_freq > 1
         if shares and topk_share is None:
             raise ValueError("dsa_indexer_topk_freq > 1 (IndexShare) needs a TopKShare "
                              "(build the layers from glm_attention_spec)")
         self.topk_share = topk_share if shares else None
-        self.computes_topk = not (shares and is_dsa_skip_topk_layer(layer_number, offset, freq))
-        self.source_layer = (
-            source_dsa_compute_layer(layer_number, offset, freq) if shares else layer_number)
+        self.computes_topk = config.computes_topk(layer_number)
+        self.source_layer = config.topk_source_layer(layer_number)
 
         def linear(spec: ModuleSpec | type, n_in: int, n_out: int, label: str,
                    **kwargs: Any) -> torch.nn.Module:

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-KPOOL_ALLOWED = (1, 2, 4, 8, 16, 32, 64)
-"""Powers of two that divide 64 (the serving engines' index-cache page size)."""
+from kpool_layers import model_facts
 
 
 @dataclass
@@ -53,20 +52,27 @@ class GLMTransformerConfig(MLATransformerConfig):
         if self.dsa_kernels not in ("torch", "tilelang", "triton"):
             raise ValueError(f"dsa_kernels={self.dsa_kernels!r} is not allowed; allowed: "
                              "torch, tilelang, triton ('auto' is resolved by the recipes)")
-        if self.dsa_indexer_kpool not in KPOOL_ALLOWED:
-            raise ValueError(
-                f"dsa_indexer_kpool={self.dsa_indexer_kpool} is not allowed; "
-                f"allowed: {list(KPOOL_ALLOWED)} (powers of two dividing 64)"
-            )
-        topk = self.dsa_indexer_topk
-        if topk is not None and topk % self.dsa_indexer_kpool != 0:
-            raise ValueError(
-                f"dsa_indexer_topk={topk} must be divisible by dsa_indexer_kpool="
-                f"{self.dsa_indexer_kpool}"
-            )
+        problem = model_facts.kpool_problem(self.dsa_indexer_kpool, self.dsa_indexer_topk)
+        if problem is not None:
+            key, value, allowed = problem
+            raise ValueError(f"{key}={value} is not allowed; allowed: {allowed}")
 
     @property
     def dsa_indexer_output_width(self) -> int:
         """Width of the indexer's index tensor: ``topk`` (+ ``kpool - 1`` tail slots)."""
         tail = self.dsa_indexer_kpool - 1 if self.dsa_indexer_kpool_always_select_tail else 0
         return int(self.dsa_indexer_topk or 0) + tail
+
+    def computes_topk(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` runs its own indexer (IndexShare, ``model_facts``)."""
+        return model_facts.computes_topk(layer_number, self.dsa_indexer_topk_freq,
+                                         self.dsa_indexer_skip_topk_offset)
+
+    def topk_source_layer(self, layer_number: int) -> int:
+        """The computing layer whose top-k layer ``layer_number`` uses (itself if it computes)."""
+        return model_facts.topk_source_layer(layer_number, self.dsa_indexer_topk_freq,
+                                             self.dsa_indexer_skip_topk_offset)
+
+    def is_moe(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` is an MoE layer under ``moe_layer_freq``."""
+        return model_facts.is_moe(layer_number, self.num_moe_experts, self.moe_layer_freq)

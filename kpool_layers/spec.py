@@ -68,16 +68,6 @@ def backend_provider(backend: str) -> BackendSpecProvider:
     raise ValueError(f"spec backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
 
 
-def is_moe_layer(config: GLMTransformerConfig, layer_number: int) -> bool:
-    """Whether 1-indexed ``layer_number`` is an MoE layer under ``config.moe_layer_freq``."""
-    if config.num_moe_experts is None:
-        return False
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return (layer_number - 1) % freq == 0
-    return bool(freq[layer_number - 1])
-
-
 def glm_layer_spec(
     config: GLMTransformerConfig, attention: ModuleSpec, moe: bool, backend: str = "local"
 ) -> ModuleSpec:
@@ -110,7 +100,7 @@ def glm_decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage builds (all of them when PP = 1) and the final norm."""
     layers = [
-        glm_layer_spec(config, attention, is_moe_layer(config, n), backend)
+        glm_layer_spec(config, attention, config.is_moe(n), backend)
         for n in range(1, config.num_layers + 1)
     ]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
@@ -128,7 +118,7 @@ def glm_mtp_block_spec(
     """megatron's MTP block built from the last decoder layer's spec (GLM-5: one MTP layer)."""
     if not config.mtp_num_layers:
         return None
-    last = glm_layer_spec(config, attention, is_moe_layer(config, config.num_layers), backend)
+    last = glm_layer_spec(config, attention, config.is_moe(config.num_layers), backend)
     return get_gpt_mtp_block_spec_for_backend(
         config=config, spec=last, backend=backend_provider(backend)
     )

@@ -51,14 +51,16 @@ def reference_numerics(reference: str, scale_format: str) -> IndexerNumerics:
     raise ValueError(f"precision.drift.reference={reference!r} is not supported; allowed: ['serving', 'bf16', 'fp32']")
 
 
+def logged_layer_number(name: str, layer_number: int, num_layers: int) -> int:
+    """The ``N`` of ``layer_N`` metrics for module ``name`` (qualified in the model) built as
+    ``layer_number``: MTP layers (numbered from 1 in their block) continue after the decoder."""
+    return layer_number + (num_layers if ".mtp." in f".{name}" else 0)
+
+
 def drift_indexers(model: torch.nn.Module, num_layers: int) -> dict[int, DSAIndexer]:
     """Indexers of ``model`` (this pipeline stage) keyed by layer number (MTP after the decoder)."""
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, DSAIndexer):
-            mtp = ".mtp." in f".{name}"
-            found[module.layer_number + (num_layers if mtp else 0)] = module
-    return found
+    return {logged_layer_number(name, module.layer_number, num_layers): module
+            for name, module in model.named_modules() if isinstance(module, DSAIndexer)}
 
 
 def _scores(sel: ScoredSelection, relu: bool, chunk: int) -> torch.Tensor:

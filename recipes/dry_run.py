@@ -1,6 +1,8 @@
 """``train.dry_run=true``: build the full model on the ``meta`` device (no memory), print its
 parameter count (total and active per token), a per-rank memory estimate for the chosen
-parallelism and the precision map, then exit. Also the analytic parameter/FLOP model used for MFU.
+parallelism and the precision map, then exit. Also the analytic parameter/FLOP model for what
+runs before or without a meta build (MFU, the checkpoint-size preflight): its layer facts come
+from :mod:`kpool_layers.model_facts`, and the tests check it against the meta build.
 """
 
 from __future__ import annotations
@@ -9,8 +11,8 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
 
+from kpool_layers import model_facts
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import FlopModel
 
@@ -18,7 +20,8 @@ from recipes.metrics import FlopModel
 def analytic_param_count(m: Any) -> tuple[int, int]:
     """(total, active per token) parameters of a GLM-5.x model from its ``model`` config.
 
-    Matches megatron's built ``GPTModel`` exactly (tests check it against a meta build).
+    Matches megatron's built ``GPTModel`` exactly (tests check it against a meta build). MTP
+    layers copy the last decoder layer's MLP kind and number their attention from 1 again.
     """
     h, n = m.hidden_size, m.num_attention_heads
     rope = m.qk_pos_emb_head_dim
@@ -33,11 +36,13 @@ def analytic_param_count(m: Any) -> tuple[int, int]:
     experts = m.num_moe_experts or 0
     routed = experts * 3 * h * m.moe_ffn_hidden_size
     shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
-    router = h * experts + (experts if m.moe_router_enable_expert_bias else 0)
+    router = h * experts  # the expert bias is a buffer, not a parameter
+
+    moe_freq = model_facts.moe_layer_freq(m.num_layers, experts, m.moe_first_k_dense_layers)
 
     def layer(number: int, moe: bool) -> tuple[int, int]:
         base = 2 * h + attn
-        if not is_dsa_skip_topk_layer(number, m.dsa_indexer_skip_topk_offset, m.dsa_indexer_topk_freq):
+        if model_facts.computes_topk(number, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset):
             base += indexer
         if not moe:
             return base + dense_mlp, base + dense_mlp
@@ -46,13 +51,12 @@ def analytic_param_count(m: Any) -> tuple[int, int]:
 
     total = active = 0
     for number in range(1, m.num_layers + 1):
-        moe = experts > 0 and number > m.moe_first_k_dense_layers
-        t, a = layer(number, moe)
+        t, a = layer(number, model_facts.is_moe(number, experts, moe_freq))
         total, active = total + t, active + a
     embed = m.vocab_size * h * (2 if m.untie_embeddings_and_output_weights else 1) + h
     total, active = total + embed, active + embed
     for _ in range(m.mtp_num_layers):
-        t, a = layer(m.num_layers, experts > 0)  # MTP layers copy the last decoder layer
+        t, a = layer(1, model_facts.is_moe(m.num_layers, experts, moe_freq))
         extra = 3 * h + 2 * h * h  # enorm, hnorm, final norm, eh_proj
         total, active = total + t + extra, active + a + extra
     return total, active
@@ -62,10 +66,8 @@ def flop_model(cfg: Any) -> FlopModel:
     """FLOPs per token of ``cfg.model`` (see :class:`recipes.metrics.FlopModel`)."""
     m = cfg.model
     _, active = analytic_param_count(m)
-    index_layers = sum(
-        not is_dsa_skip_topk_layer(i, m.dsa_indexer_skip_topk_offset, m.dsa_indexer_topk_freq)
-        for i in range(1, m.num_layers + 1)
-    )
+    index_layers = len(model_facts.topk_layers(m.num_layers, m.dsa_indexer_topk_freq,
+                                               m.dsa_indexer_skip_topk_offset))
     return FlopModel(
         active_params=active - m.vocab_size * m.hidden_size,  # the input embedding is a lookup
         num_layers=m.num_layers, heads=m.num_attention_heads,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+from kpool_layers import model_facts
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "glm5_next_text")
 INDEXER_K_NORM_EPS = 1e-6
@@ -51,13 +51,19 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
             "mscale": float(params.get("mscale", 1.0)), "mscale_all_dim": float(params.get("mscale_all_dim", 0.0))}
 
 
+def indexer_types(num_layers: int, topk_freq: int, skip_topk_offset: int) -> list[str]:
+    """HF's ``indexer_types``: ``full`` for layers computing their top-k, ``shared`` for the rest."""
+    return ["full" if model_facts.computes_topk(n, topk_freq, skip_topk_offset) else "shared"
+            for n in range(1, num_layers + 1)]
+
+
 def _index_share(hf: dict[str, Any], num_layers: int) -> dict[str, int]:
     """``dsa_indexer_topk_freq`` / ``skip_topk_offset`` reproducing HF's ``indexer_types``."""
     freq = max(int(hf.get("index_topk_freq", 1)), 1)
     offset = int(hf.get("index_skip_topk_offset", 0 if freq == 1 else 2))
     types = hf.get("indexer_types")
     if types is not None:
-        ours = ["shared" if is_dsa_skip_topk_layer(n, offset, freq) else "full" for n in range(1, num_layers + 1)]
+        ours = indexer_types(num_layers, freq, offset)
         _require(list(types) == ours, "indexer_types", types,
                  f"the pattern of index_topk_freq={freq}, index_skip_topk_offset={offset}: {ours}")
     return {"dsa_indexer_topk_freq": freq, "dsa_indexer_skip_topk_offset": offset if freq > 1 else 0}
@@ -87,7 +93,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
     dense = hf.get("first_k_dense_replace")
     dense = int(dense) if dense is not None else list(mlp_types or []).count("dense")
     if mlp_types is not None:
-        expected = ["dense"] * dense + ["sparse"] * (layers - dense)
+        experts = int(hf["n_routed_experts"])
+        moe_freq = model_facts.moe_layer_freq(layers, experts, dense)
+        expected = ["sparse" if model_facts.is_moe(n, experts, moe_freq) else "dense"
+                    for n in range(1, layers + 1)]
         _require(list(mlp_types) == expected, "mlp_layer_types", mlp_types,
                  f"first_k_dense_replace={dense} dense layers, then MoE: {expected}")
     kpool = int(hf.get("index_kpool", 1))
@@ -179,9 +188,7 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
         "index_topk": m.dsa_indexer_topk,
         "index_topk_freq": m.dsa_indexer_topk_freq,
         "index_skip_topk_offset": m.dsa_indexer_skip_topk_offset,
-        "indexer_types": ["shared" if is_dsa_skip_topk_layer(n, m.dsa_indexer_skip_topk_offset,
-                                                             m.dsa_indexer_topk_freq) else "full"
-                          for n in range(1, m.num_layers + 1)],
+        "indexer_types": indexer_types(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset),
         "n_routed_experts": m.num_moe_experts,
         "num_experts_per_tok": m.moe_router_topk,
         "moe_intermediate_size": m.moe_ffn_hidden_size,

@@ -24,7 +24,7 @@ Layers: HF ``model.layers.{i}`` is megatron ``decoder.layers.{i}``; the MTP laye
 ``embed_tokens`` / ``shared_head.head`` copies are :attr:`Mapping.aliases`: megatron's MTP shares
 the main embedding and output layer, so on import they must equal those, and export writes them.
 Indexer tensors exist only on layers computing their top-k under IndexShare
-(``dsa_indexer_topk_freq``), as in both models.
+(``dsa_indexer_topk_freq``, :func:`kpool_layers.model_facts.computes_topk`), as in both models.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+
+from kpool_layers import model_facts
 
 
 class Conversion(Protocol):
@@ -125,13 +126,6 @@ class Mapping:
         return {name for m in self.maps for name in m.hf} | set(self.aliases)
 
 
-def computes_topk(model: Any, layer_number: int) -> bool:
-    """Whether 1-indexed layer ``layer_number`` has its own indexer under IndexShare (as
-    ``kpool_layers.attention.GLMSparseMLA``; MTP layers number from 1 again)."""
-    freq = model.dsa_indexer_topk_freq
-    return freq <= 1 or not is_dsa_skip_topk_layer(layer_number, model.dsa_indexer_skip_topk_offset, freq)
-
-
 def _indexer(model: Any, meg: str, hf: str) -> list[TensorMap]:
     rope = IndexerRope(model.dsa_indexer_n_heads, model.dsa_indexer_head_dim, model.qk_pos_emb_head_dim,
                        bool(model.dsa_indexer_rope_interleaved))
@@ -166,7 +160,7 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
             TensorMap(f"{att}linear_kv_up_proj.weight", (f"{hatt}kv_b_proj.weight",)),
             TensorMap(f"{att}linear_proj.weight", (f"{hatt}o_proj.weight",)),
             TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
-    if computes_topk(model, layer_number):
+    if model_facts.computes_topk(layer_number, model.dsa_indexer_topk_freq, model.dsa_indexer_skip_topk_offset):
         maps += _indexer(model, f"{att}indexer.", f"{hatt}indexer.")
     if not moe:
         return maps + _swiglu(f"{meg}mlp.", f"{hf}mlp.")
@@ -188,11 +182,12 @@ def _check_supported(model: Any) -> None:
 def build_mapping(model: Any) -> Mapping:
     """The mapping for our ``model`` config group (``recipes.schema.ModelConfig`` or its node)."""
     _check_supported(model)
-    n = model.num_layers
+    n, experts = model.num_layers, model.num_moe_experts
+    moe_freq = model_facts.moe_layer_freq(n, experts, model.moe_first_k_dense_layers)
     maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))]
     for i in range(n):
         maps += layer_maps(model, f"decoder.layers.{i}.", f"model.layers.{i}.", i + 1,
-                           moe=i >= model.moe_first_k_dense_layers)
+                           moe=model_facts.is_moe(i + 1, experts, moe_freq))
     maps.append(TensorMap("decoder.final_layernorm.weight", ("model.norm.weight",)))
     aliases: dict[str, str] = {}
     for k in range(model.mtp_num_layers):
@@ -201,7 +196,7 @@ def build_mapping(model: Any) -> Mapping:
                  TensorMap(f"{meg}hnorm.weight", (f"{hf}hnorm.weight",)),
                  TensorMap(f"{meg}eh_proj.weight", (f"{hf}eh_proj.weight",))]
         maps += layer_maps(model, f"{meg}mtp_model_layer.", hf, 1,
-                           moe=n >= model.moe_first_k_dense_layers + 1)
+                           moe=model_facts.is_moe(n, experts, moe_freq))  # as the last layer
         maps.append(TensorMap(f"{meg}final_layernorm.weight", (f"{hf}shared_head.norm.weight",)))
         aliases[f"{hf}embed_tokens.weight"] = "model.embed_tokens.weight"
         aliases[f"{hf}shared_head.head.weight"] = (

@@ -36,6 +36,7 @@ from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
+from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
 from recipes.model import build_gpt_model
@@ -223,6 +224,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
     report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)
+    indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
     fwd_bwd = get_forward_backward_func()
@@ -257,9 +259,13 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
             progress.step += 1
             progress.consumed_samples += t.global_batch_size
             step_time = time.perf_counter() - start
-            if progress.step % t.log_interval == 0 or progress.step == t.steps:
+            logged = progress.step % t.log_interval == 0 or progress.step == t.steps
+            extra = indexer_loss.step_scalars(trainer.model, progress.step, logged)
+            if logged:
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
-                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps)
+                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps, extra)
+            elif extra:
+                logger.log(progress.step, extra)
             if drift_metrics is not None:
                 drift.log(logger, progress.step, drift_metrics)
             stop = guard.should_stop()
@@ -293,12 +299,13 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
-              flops: FlopModel, device: torch.device, total_steps: int) -> None:
+              flops: FlopModel, device: torch.device, total_steps: int,
+              extra: dict[str, float]) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
     scalars = {"loss": loss, "grad_norm": float(grad_norm or 0.0), "lr": lr,
                "tokens_per_s": tokens_per_s, "step_time_s": step_time,
-               "peak_mem_gib": peak_memory_gib(device)}
+               "peak_mem_gib": peak_memory_gib(device), **extra}
     line = (f"step {step:>5}/{total_steps} | loss {loss:.4f} | grad_norm {scalars['grad_norm']:.3f}"
             f" | lr {lr:.3e} | {tokens_per_s:,.0f} tok/s")
     if device.type == "cuda":
@@ -307,6 +314,8 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
         scalars["mfu"] = tflops / H200_BF16_TFLOPS
         line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
+    if INDEXER_LOSS in extra:
+        line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"
     logger.log(step, scalars, console=line)
 
 

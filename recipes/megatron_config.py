@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
-from kpool_layers import dsa_kernels
+from kpool_layers import dsa_kernels, model_facts
 from kpool_layers.config import GLMTransformerConfig
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
@@ -59,10 +59,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
     bf16 = precision["dtype"] == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     experts = model["num_moe_experts"]
-    first_dense = model["moe_first_k_dense_layers"]
-    moe_layer_freq: int | list[int] = (
-        [0] * first_dense + [1] * (model["num_layers"] - first_dense) if experts else 1
-    )
+    moe_layer_freq = model_facts.moe_layer_freq(model["num_layers"], experts,
+                                                model["moe_first_k_dense_layers"])
     on_gpu = torch.cuda.is_available()
     return GLMTransformerConfig(
         **copied,

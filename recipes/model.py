@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from kpool_layers import _cpu
 from kpool_layers.attention import glm_attention_spec
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec, is_moe_layer
+from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec
 
 
 def build_gpt_model(cfg: Any, tcfg: GLMTransformerConfig) -> GPTModel:
@@ -74,8 +74,7 @@ def count_parameters(model: GPTModel, tcfg: GLMTransformerConfig) -> ParamCount:
             embedding += n
         if name.startswith("mtp."):
             mtp += n
-    moe_layers = sum(is_moe_layer(tcfg, i) for i in range(1, tcfg.num_layers + 1)) + (tcfg.mtp_num_layers or 0)
     active = total
-    if tcfg.num_moe_experts and moe_layers:
+    if expert:  # routed experts exist only on MoE layers
         active = total - expert + expert * tcfg.moe_router_topk // tcfg.num_moe_experts
     return ParamCount(total=total, active_per_token=active, embedding=embedding, mtp=mtp)

@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 from hydra.core.config_store import ConfigStore
 
-from kpool_layers.config import KPOOL_ALLOWED
+from kpool_layers import model_facts
 
 
 class ConfigError(ValueError):
@@ -371,11 +371,10 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(world_size % (ep * (p.expert_tensor_parallel_size or tp) * pp) == 0,
              "parallelism.expert_model_parallel_size", ep,
              f"values with EP * expert TP * PP dividing the world size {world_size}")
-    _require(m.dsa_indexer_kpool in KPOOL_ALLOWED, "model.dsa_indexer_kpool", m.dsa_indexer_kpool,
-             f"{list(KPOOL_ALLOWED)} (powers of two dividing 64, the serving index-cache page)")
-    _require(m.dsa_indexer_topk >= 1 and m.dsa_indexer_topk % m.dsa_indexer_kpool == 0,
-             "model.dsa_indexer_topk", m.dsa_indexer_topk,
-             f"a positive multiple of model.dsa_indexer_kpool={m.dsa_indexer_kpool}")
+    kpool_problem = model_facts.kpool_problem(m.dsa_indexer_kpool, m.dsa_indexer_topk)
+    if kpool_problem is not None:
+        key, value, allowed = kpool_problem
+        raise ConfigError(f"model.{key}", value, allowed)
     _require(m.dsa_indexer_head_dim & (m.dsa_indexer_head_dim - 1) == 0 or not m.dsa_indexer_rotate_activation,
              "model.dsa_indexer_head_dim", m.dsa_indexer_head_dim,
              "a power of two when model.dsa_indexer_rotate_activation (Hadamard) is on")
@@ -472,12 +471,10 @@ def _validate_precision(cfg: Any) -> None:
 
 def _check_index_share_stages(num_layers: int, pp: int, freq: int, offset: int) -> None:
     """Under IndexShare each pipeline stage must start on a layer that computes its own top-k."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
-
     per_stage = num_layers // pp
     for stage in range(1, pp):
         first = stage * per_stage + 1
-        if is_dsa_skip_topk_layer(first, offset, freq):
+        if not model_facts.computes_topk(first, freq, offset):
             raise ConfigError(
                 "parallelism.pipeline_model_parallel_size", pp,
                 f"a size whose stages start on top-k computing layers (stage {stage} starts on "
