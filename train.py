@@ -4,20 +4,24 @@ Runs on every rank under torchrun or srun; each rank composes the same config an
 same run directory (see conf/config.yaml). ``python train.py --cfg job`` prints the composed config.
 """
 
-import logging
-import warnings
-from pathlib import Path
+from recipes import console
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+console.quiet()  # before megatron-core is imported (below, through recipes.schema)
 
-from recipes.distributed import register_resolvers
-from recipes.schema import register_configs
+import logging  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-# megatron-core announces every optional dependency it does not find (TE, apex, absl) on import.
-warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+import hydra  # noqa: E402
+from hydra._internal.utils import get_args_parser  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from hydra.types import RunMode  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from recipes.config_keys import check_overrides  # noqa: E402
+from recipes.distributed import register_resolvers  # noqa: E402
+from recipes.schema import register_configs  # noqa: E402
+
 register_resolvers()
 register_configs()
 # megatron-core logs its full DDP/optimizer configs and bucket layouts at INFO.
@@ -29,8 +33,11 @@ def main(cfg: DictConfig) -> float:
     from recipes.loop import run
 
     hc = HydraConfig.get()
-    return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+    with console.config_errors(exit_on_error=hc.mode == RunMode.RUN):
+        return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
 
 
 if __name__ == "__main__":
+    with console.config_errors(exit_on_error=True):
+        check_overrides(get_args_parser().parse_known_args(sys.argv[1:])[0].overrides)
     main()

@@ -33,6 +33,7 @@ from kpool_layers.config import GLMTransformerConfig
 from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
+from recipes.console import duration
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
@@ -218,6 +219,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     flops = flop_model(cfg)
     loss = math.nan
     status, requeued = "completed", False
+    train_start, first_step = time.perf_counter(), progress.step
     try:
         while progress.step < t.steps:
             start = time.perf_counter()
@@ -240,8 +242,11 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
             progress.consumed_samples += t.global_batch_size
             step_time = time.perf_counter() - start
             if progress.step % t.log_interval == 0 or progress.step == t.steps:
+                elapsed = time.perf_counter() - train_start
+                eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
-                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps)
+                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps,
+                          f" | {duration(elapsed)} elapsed, ETA {duration(eta)}")
             if drift_metrics is not None:
                 drift.log(logger, progress.step, drift_metrics)
             stop = guard.should_stop()
@@ -263,6 +268,9 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
         logger.close()
     write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
                  steps=progress.step)
+    _print0(f"{status}: {progress.step} steps, {progress.consumed_samples * cfg.data.seq_length:,} "
+            f"tokens, {duration(time.perf_counter() - train_start)}, final loss {loss:.4f}, "
+            f"run dir {run_dir}")
     if requeued:
         raise Requeued()
     return loss
@@ -282,7 +290,7 @@ def _resume_path(resume: str, root: Path) -> Optional[Path]:
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
-              flops: FlopModel, device: torch.device, total_steps: int) -> None:
+              flops: FlopModel, device: torch.device, total_steps: int, timing: str) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
     scalars = {"loss": loss, "grad_norm": float(grad_norm or 0.0), "lr": lr,
@@ -295,7 +303,7 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
         scalars["tflops_per_gpu"] = tflops
         scalars["mfu"] = tflops / H200_BF16_TFLOPS
         line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
-    line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
+    line += f" | peak {scalars['peak_mem_gib']:.2f} GiB{timing}"
     logger.log(step, scalars, console=line)
 
 
