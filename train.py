@@ -20,6 +20,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes.config_keys import check_overrides  # noqa: E402
 from recipes.distributed import register_resolvers  # noqa: E402
+from recipes.run_dir import select_run  # noqa: E402
 from recipes.schema import register_configs  # noqa: E402
 
 register_resolvers()
@@ -38,6 +39,11 @@ def main(cfg: DictConfig) -> float:
 
 
 if __name__ == "__main__":
+    args = get_args_parser().parse_known_args(sys.argv[1:])[0]
     with console.config_errors(exit_on_error=True):
-        check_overrides(get_args_parser().parse_known_args(sys.argv[1:])[0].overrides)
+        check_overrides(args.overrides)
+    if not (args.multirun or args.cfg or args.help or args.hydra_help or args.info):
+        first_line = select_run(args.overrides)
+        if console.env_rank() == 0:
+            print(first_line, flush=True)
     main()

@@ -45,14 +45,25 @@ def run_id() -> str:
         return f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}"
+    launcher = _launcher_process()
+    stamp = _dt.datetime.fromtimestamp(launcher.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+    return f"{stamp}_torchrun{launcher.pid}" if _under_torchrun() else f"{stamp}_{launcher.pid}"
+
+
+def _under_torchrun() -> bool:
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def _launcher_process():  # noqa: ANN202 (psutil.Process)
+    """The process that started this launch: the torchrun agent (shared by all ranks) or this one."""
     import psutil
 
-    if env.get("TORCHELASTIC_RUN_ID") is not None:
-        agent = psutil.Process(os.getppid())
-        stamp = _dt.datetime.fromtimestamp(agent.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
-        return f"{stamp}_torchrun{agent.pid}"
-    me = psutil.Process()
-    return _dt.datetime.fromtimestamp(me.create_time()).strftime("%Y-%m-%d_%H-%M-%S") + f"_{me.pid}"
+    return psutil.Process(os.getppid()) if _under_torchrun() else psutil.Process()
+
+
+def launch_start() -> float:
+    """The start time (epoch seconds) of this launch, the same on every rank of a torchrun."""
+    return _launcher_process().create_time()
 
 
 def register_resolvers() -> None:

@@ -209,7 +209,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
-                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)
+                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0,
+                           resume_step=progress.step)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
     report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)

@@ -50,7 +50,9 @@ class MetricsLogger:
     """Writes step records; a no-op on non-logging ranks."""
 
     def __init__(self, run_dir: Path, logging_cfg: Any, full_config: dict[str, Any],
-                 enabled: bool) -> None:
+                 enabled: bool, resume_step: int = 0) -> None:
+        """``resume_step``: the step the run continues from; records of later steps that an
+        earlier, unfinished attempt logged are dropped from ``metrics.jsonl``."""
         self.enabled = enabled
         self.run_dir = run_dir
         self._jsonl = None
@@ -58,6 +60,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_after(run_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         mode = getattr(logging_cfg.mode, "value", logging_cfg.mode)
         if mode != "disabled":
@@ -102,6 +105,20 @@ class MetricsLogger:
             self._jsonl.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step``; drops a line cut short by a kill."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue
+    path.write_text("".join(kept))
 
 
 def _wandb_id(run_dir: Path) -> str:
