@@ -35,7 +35,8 @@ def main(cfg: DictConfig) -> float:
 
     hc = HydraConfig.get()
     with console.config_errors(exit_on_error=hc.mode == RunMode.RUN):
-        return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
+        return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), wandb_group=sweep)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,8 @@ from recipes.console import duration
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
-from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
+from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
+                             reset_peak_memory)
 from recipes.model import build_gpt_model
 from recipes.precision_setup import report_precision, setup_precision
 from recipes.preemption import PreemptionGuard, Requeued
@@ -66,8 +67,10 @@ def write_result(run_dir: Path, **fields: Any) -> None:
     tmp.replace(run_dir / "result.json")
 
 
-def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float:
-    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run)."""
+def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
+        wandb_group: Optional[str] = None) -> float:
+    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run).
+    ``wandb_group``: the sweep's id when this run is a job of a sweep."""
     topo = distributed.launcher_topology()
     # A dry run plans for the configured machine (nodes x gpus_per_node), not the launching one.
     planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
@@ -84,7 +87,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan
-        final = _train(cfg, run_dir, overrides or [], tokenizer)
+        final = _train(cfg, run_dir, overrides or [], tokenizer, wandb_group)
     except Requeued:
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
@@ -192,8 +195,10 @@ def _reduce_loss(reports: list[dict]) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase) -> float:
+def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase,
+           wandb_group: Optional[str]) -> float:
     t = cfg.train
+    reset_peak_memory(distributed.device())  # a sweep's earlier jobs ran in this process
     trainer = _build(cfg)
     ckpt_root = Path(t.save) if t.save else run_dir / "checkpoints"
     progress = ckpt.Progress()
@@ -210,7 +215,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
                            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0,
-                           resume_step=progress.step)
+                           resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
     report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)

@@ -52,7 +52,7 @@ def test_wandb_offline_history_and_disabled_writes_nothing(tmp_path: Path) -> No
     run_train(tmp_path, "offline", FAST + ["train.steps=4", "logging.mode=offline"])
     (run_file,) = find_run_files(tmp_path / "offline")
     history = read_history(run_file)
-    losses = [history[step]["loss"] for step in sorted(history) if "loss" in history[step]]
+    losses = [history[step]["train/loss"] for step in sorted(history) if "train/loss" in history[step]]
     logged = [r["loss"] for r in metrics(tmp_path / "offline")]
     assert losses == pytest.approx(logged)
     run_train(tmp_path, "disabled", FAST + ["train.steps=2", "train.lr_warmup_steps=1", "logging.mode=disabled"])
