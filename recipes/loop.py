@@ -34,6 +34,7 @@ from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
 from recipes.console import duration
+from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
@@ -77,6 +78,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
     try:
         validate(cfg, planned if cfg.train.dry_run else topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
+        check_indexed_data(cfg.data, cfg.model.vocab_size)
     except ValueError as err:
         if topo.rank == 0:
             write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],
