@@ -91,16 +91,35 @@ def init_process_group(topo: Topology) -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    # One process needs no agreed port: a free one, so two runs on one host do not collide.
+    os.environ.setdefault("MASTER_PORT", str(free_port()) if topo.world_size == 1 else "29500")
     if torch.cuda.is_available():
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
         backend = "nccl"
     else:
         _cpu.install()
         backend = "gloo"
-    dist.init_process_group(
-        backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(minutes=10)
-    )
+    try:
+        dist.init_process_group(
+            backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(minutes=10)
+        )
+    except RuntimeError as err:  # torch's DistNetworkError / DistStoreError
+        if "address already in use" not in str(err).lower():
+            raise
+        port = os.environ["MASTER_PORT"]
+        raise RuntimeError(
+            f"the rendezvous port {os.environ['MASTER_ADDR']}:{port} is in use (another run on "
+            f"this host?): set MASTER_PORT to a free port, e.g. MASTER_PORT={free_port()} (torchrun: "
+            "--master-port)") from err
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_model_parallel(parallelism, seed: int) -> None:  # noqa: ANN001 (ParallelismConfig node)
