@@ -36,7 +36,7 @@ from recipes import distributed
 from recipes.console import duration
 from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
-from recipes.dry_run import dry_run, flop_model
+from recipes.dry_run import check_all, dry_run, flop_model
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
                              reset_peak_memory)
@@ -76,7 +76,10 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
     # A dry run plans for the configured machine (nodes x gpus_per_node), not the launching one.
     planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
-        validate(cfg, planned if cfg.train.dry_run else topo.world_size)
+        if cfg.train.dry_run:
+            check_all(cfg, planned)  # every broken rule at once
+        else:
+            validate(cfg, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
         check_indexed_data(cfg.data, cfg.model.vocab_size)
     except ValueError as err:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Optional
@@ -224,6 +225,10 @@ class ParallelismConfig:
     context_parallel_size: int = num(1, 1)
     expert_model_parallel_size: int = num(1, 1)
     expert_tensor_parallel_size: Optional[int] = num(None, 1)
+    # Uneven pipeline stages (megatron's names): the first / last stage's decoder layers, the
+    # other stages split the rest evenly. null: every stage gets num_layers / PP.
+    num_layers_in_first_pipeline_stage: Optional[int] = num(None, 1)
+    num_layers_in_last_pipeline_stage: Optional[int] = num(None, 1)
     sequence_parallel: Optional[bool] = None  # null: on when TP > 1 (MoE with TP requires it)
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
@@ -333,9 +338,20 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
 
 
+_found: ContextVar[Optional[list[ConfigError]]] = ContextVar("_found", default=None)
+"""Set by :func:`all_problems`: failed rules are collected here instead of raised."""
+
+
+def _fail(err: ConfigError) -> None:
+    found = _found.get()
+    if found is None:
+        raise err
+    found.append(err)
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(key, value, allowed)
+        _fail(ConfigError(key, value, allowed))
 
 
 def _divisors_of(n: int) -> str:
@@ -388,6 +404,29 @@ def validate(cfg: Any, world_size: int) -> None:
 
     check_config_keys(cfg)
     check_ranges(cfg)
+    _check_rules(cfg, world_size)
+
+
+def all_problems(cfg: Any, world_size: int) -> list[ConfigError]:
+    """Every rule of :func:`validate` that ``cfg`` breaks (a dry run lists them all at once); an
+    unknown key or a value out of range is reported alone (the other rules assume sane values)."""
+    from recipes.config_keys import check_config_keys
+
+    try:
+        check_config_keys(cfg)
+        check_ranges(cfg)
+    except ConfigError as err:
+        return [err]
+    token = _found.set([])
+    try:
+        _check_rules(cfg, world_size)
+        return list(_found.get())
+    finally:
+        _found.reset(token)
+
+
+def _check_rules(cfg: Any, world_size: int) -> None:
+    """The cross-field rules (each failure raised, or collected under :func:`all_problems`)."""
     m, p, t, d = cfg.model, cfg.parallelism, cfg.train, cfg.data
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
@@ -396,8 +435,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _require(cp == 1, "parallelism.context_parallel_size", cp,
              "1 (the sparse MLA attention has no context-parallel path yet)")
     _check_world_size(world_size, tp, pp, cp)
-    _require(m.num_layers % pp == 0, "parallelism.pipeline_model_parallel_size", pp,
-             _divisors_of(m.num_layers) + " = model.num_layers' divisors")
+    _check_stages(m, p)
     dp = world_size // (tp * pp * cp)
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
              t.global_batch_size, f"a multiple of micro_batch_size * data_parallel_size = "
@@ -412,8 +450,8 @@ def validate(cfg: Any, world_size: int) -> None:
         _require(0 <= m.moe_first_k_dense_layers <= m.num_layers, "model.moe_first_k_dense_layers",
                  m.moe_first_k_dense_layers, f"0..{m.num_layers} (model.num_layers)")
         if tp > 1 and p.sequence_parallel is False:
-            raise ConfigError("parallelism.sequence_parallel", False,
-                              "true or null: megatron's MoE with TP > 1 requires sequence parallelism")
+            _fail(ConfigError("parallelism.sequence_parallel", False,
+                              "true or null: megatron's MoE with TP > 1 requires sequence parallelism"))
     else:
         _require(ep == 1, "parallelism.expert_model_parallel_size", ep, "1 when model.num_moe_experts is null")
     _require(world_size % (ep * (p.expert_tensor_parallel_size or tp) * pp) == 0,
@@ -431,8 +469,6 @@ def validate(cfg: Any, world_size: int) -> None:
              "an even number (0 = NoPE)")
     _require(m.qk_pos_emb_head_dim <= m.dsa_indexer_head_dim, "model.qk_pos_emb_head_dim",
              m.qk_pos_emb_head_dim, f"<= model.dsa_indexer_head_dim={m.dsa_indexer_head_dim}")
-    if pp > 1 and m.dsa_indexer_topk_freq > 1:
-        _check_index_share_stages(m.num_layers, pp, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset)
     _require(d.seq_length <= m.max_position_embeddings, "data.seq_length", d.seq_length,
              f"<= model.max_position_embeddings={m.max_position_embeddings}")
     if d.reset_attention_mask:
@@ -472,9 +508,9 @@ def _validate_precision(cfg: Any) -> None:
                  "false with precision.fp8=true (FP8 routing needs per-expert linears, SequentialMLP)")
     if (pr.fp8 and _value(pr.dsa_indexer_weights_proj_dtype) == "fp32"
             and not pr.dsa_indexer_weights_proj_disable_quantization):
-        raise ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
+        _fail(ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
                           "true when precision.dsa_indexer_weights_proj_dtype=fp32 and precision.fp8=true "
-                          "(an FP32 projection cannot also be an FP8 GEMM)")
+                          "(an FP32 projection cannot also be an FP8 GEMM)"))
     interval = pr.drift.interval
     serving_ref = interval > 0 and _value(pr.drift.reference) == "serving"
     if pr.dsa_indexer_kpool_use_quantization or serving_ref:
@@ -486,16 +522,29 @@ def _validate_precision(cfg: Any) -> None:
                  "quantizes one Hadamard-rotated head_dim vector per scale")
 
 
-def _check_index_share_stages(num_layers: int, pp: int, freq: int, offset: int) -> None:
-    """Under IndexShare each pipeline stage must start on a layer that computes its own top-k."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import is_dsa_skip_topk_layer
+def _check_stages(m: Any, p: Any) -> None:
+    """Pipeline stages: megatron can split the layers that way, and under IndexShare every stage
+    starts on a top-k computing layer (see :mod:`recipes.pipeline_layout`)."""
+    from recipes import pipeline_layout as pl
 
-    per_stage = num_layers // pp
-    for stage in range(1, pp):
-        first = stage * per_stage + 1
-        if is_dsa_skip_topk_layer(first, offset, freq):
-            raise ConfigError(
-                "parallelism.pipeline_model_parallel_size", pp,
-                f"a size whose stages start on top-k computing layers (stage {stage} starts on "
-                f"layer {first}, which reuses a top-k under model.dsa_indexer_topk_freq={freq}, "
-                f"model.dsa_indexer_skip_topk_offset={offset})")
+    pp, first, last = (p.pipeline_model_parallel_size, p.num_layers_in_first_pipeline_stage,
+                       p.num_layers_in_last_pipeline_stage)
+    freq, offset = m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset
+    layers = pl.stage_layers(m.num_layers, pp, first, last)
+    fix = pl.suggest_layout(m.num_layers, pp, freq, offset) if pp > 1 else None
+    hint = (f"; e.g. parallelism.num_layers_in_first_pipeline_stage={fix[0]} "
+            f"parallelism.num_layers_in_last_pipeline_stage={fix[1]}" if fix else "")
+    if layers is None:
+        key, value = (("parallelism.pipeline_model_parallel_size", pp) if first is None and last is None
+                      else ("parallelism.num_layers_in_first_pipeline_stage", first))
+        _fail(ConfigError(key, value, f"a split of model.num_layers={m.num_layers} over PP={pp} stages "
+                          f"(first={first}, last={last}) with the other stages equal (null first/last "
+                          f"when PP=1){hint}"))
+        return
+    start = pl.shares_across_stages(layers, freq, offset) if freq > 1 else None
+    if start is not None:
+        _fail(ConfigError(
+            "parallelism.pipeline_model_parallel_size", pp,
+            f"stages that start on top-k computing layers (stages {layers}: layer {start} starts a "
+            f"stage but reuses a top-k under model.dsa_indexer_topk_freq={freq}, "
+            f"model.dsa_indexer_skip_topk_offset={offset}){hint}"))

@@ -183,3 +183,48 @@ def test_hydra_full_error_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SystemExit) as exited, config_errors(exit_on_error=True):
         check_overrides(["train.step=4"])
     assert exited.value.code == 2
+
+
+def test_glm5_2_pipeline_needs_uneven_stages_and_gets_a_suggestion() -> None:
+    """78 layers do not split evenly over 8 stages, and under IndexShare every stage must start on
+    a layer computing its top-k: the error proposes first/last stage sizes that satisfy both."""
+    from recipes.pipeline_layout import shares_across_stages, stage_layers, suggest_layout
+
+    world = ["parallelism.nodes=2", "parallelism.gpus_per_node=8", "parallelism.expert_model_parallel_size=2",
+             "train.global_batch_size=2", "train.micro_batch_size=1"]
+    cfg = _compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world])
+    with pytest.raises(ConfigError, match="num_layers_in_first_pipeline_stage=2 "
+                                          "parallelism.num_layers_in_last_pipeline_stage=4"):
+        validate(cfg, 16)
+    assert suggest_layout(78, 8, 4, 3) == (2, 4) and suggest_layout(78, 4, 4, 3) == (18, 20)
+    assert stage_layers(78, 8, 2, 4) == [2] + [12] * 6 + [4]
+    assert shares_across_stages([2] + [12] * 6 + [4], 4, 3) is None
+    assert shares_across_stages([9] + [10] * 6 + [9], 4, 3) == 10  # layer 10 reuses layer 7's top-k
+    validate(_compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world,
+                       "parallelism.num_layers_in_first_pipeline_stage=2",
+                       "parallelism.num_layers_in_last_pipeline_stage=4"]), 16)
+    bad = _compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world,
+                    "parallelism.num_layers_in_first_pipeline_stage=9",
+                    "parallelism.num_layers_in_last_pipeline_stage=9"])
+    with pytest.raises(ConfigError, match="layer 10 starts a stage but reuses a top-k"):
+        validate(bad, 16)
+
+
+def test_dry_run_check_lists_every_problem_at_once() -> None:
+    from recipes.dry_run import check_all
+
+    cfg = _compose(["parallelism.tensor_model_parallel_size=3", "model.dsa_indexer_kpool=3",
+                    "train.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as err:
+        check_all(cfg, 3)
+    text = str(err.value)
+    assert text.startswith("4 config problems for 3 GPUs:")
+    for key in ("parallelism.tensor_model_parallel_size=3", "train.global_batch_size=4",
+                "model.dsa_indexer_kpool=3", "model.dsa_indexer_topk=16"):
+        assert key in text, text
+
+
+def test_glm5_2_cluster_preset_is_valid_for_its_machine() -> None:
+    cfg = _compose(["experiment=glm5_2_h200_64n"])
+    assert cfg.parallelism.nodes * cfg.parallelism.gpus_per_node == 512
+    validate(cfg, 512)
