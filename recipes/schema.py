@@ -388,10 +388,12 @@ def _check_world_size(world_size: int, tp: int, pp: int, cp: int) -> None:
     for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
                       ("context_parallel_size", cp)):
         product *= size
-        _require(world_size % product == 0, f"parallelism.{key}", size,
-                 f"values with TP*PP*CP dividing the world size {world_size} (got TP={tp}, PP={pp}, "
-                 f"CP={cp}); launch {tp * pp * cp} ranks, e.g. torchrun --nproc-per-node "
-                 f"{tp * pp * cp} train.py ...")
+        if world_size % product:
+            _fail(ConfigError(f"parallelism.{key}", size,
+                              f"values with TP*PP*CP dividing the world size {world_size} (got TP={tp}, "
+                              f"PP={pp}, CP={cp}); launch {tp * pp * cp} ranks, e.g. torchrun "
+                              f"--nproc-per-node {tp * pp * cp} train.py ..."))
+            return
 
 
 def validate(cfg: Any, world_size: int) -> None:
@@ -436,7 +438,7 @@ def _check_rules(cfg: Any, world_size: int) -> None:
              "1 (the sparse MLA attention has no context-parallel path yet)")
     _check_world_size(world_size, tp, pp, cp)
     _check_stages(m, p)
-    dp = world_size // (tp * pp * cp)
+    dp = max(world_size // (tp * pp * cp), 1)  # 0 only when the world size check failed
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
              t.global_batch_size, f"a multiple of micro_batch_size * data_parallel_size = "
              f"{t.micro_batch_size} * {dp} = {t.micro_batch_size * dp}")
