@@ -2,7 +2,9 @@
 
 ``conf/config.yaml`` starts its defaults list with ``kpool_schema`` (the :class:`Config` below), so
 every group file is merged into a typed, struct-mode node: an unknown key, a wrong type or a value
-outside an enum fails at composition with OmegaConf's message naming the full key. Cross-field rules
+outside an enum fails at composition with OmegaConf's message naming the full key (keys added with
+``+``/``++`` are caught by :mod:`recipes.config_keys`). Every numeric field declares its allowed
+range next to it (:func:`num`), checked by :func:`check_ranges`. Cross-field rules
 (TP must divide heads, world size must be divisible by TP*PP*CP, ...) live in :func:`validate`,
 which runs before any model is built and raises :class:`ConfigError` naming the key, the value and
 what is allowed.
@@ -55,9 +57,9 @@ class Range:
         return above and below
 
     def __str__(self) -> str:
-        lo = "-inf" if self.lo is None else f"{self.lo:g}"
-        hi = "inf" if self.hi is None else f"{self.hi:g}"
-        return f"{'(' if self.open_lo or self.lo is None else '['}{lo}, {hi}{')' if self.open_hi or self.hi is None else ']'}"
+        left = "(-inf" if self.lo is None else f"{'(' if self.open_lo else '['}{self.lo:g}"
+        right = "inf)" if self.hi is None else f"{self.hi:g}{')' if self.open_hi else ']'}"
+        return f"{left}, {right}"
 
 
 def num(default: Any, lo: Optional[float] = None, hi: Optional[float] = None, *,
@@ -117,7 +119,8 @@ class ModelConfig:
     mscale_all_dim: float = num(0.0, 0.0)
     beta_fast: float = num(32.0, 0.0, open_lo=True)
     beta_slow: float = num(1.0, 0.0, open_lo=True)
-    mla_latent_norm_epsilon: Optional[float] = num(None, 0.0, 1.0, open_lo=True, open_hi=True)  # q/kv latent RMSNorm eps; null = layernorm_epsilon
+    # q/kv latent RMSNorm eps; null = layernorm_epsilon
+    mla_latent_norm_epsilon: Optional[float] = num(None, 0.0, 1.0, open_lo=True, open_hi=True)
     # DSA lightning indexer.
     dsa_indexer_n_heads: int = num(4, 1)
     dsa_indexer_head_dim: int = num(32, 1)
