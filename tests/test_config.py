@@ -228,3 +228,18 @@ def test_glm5_2_cluster_preset_is_valid_for_its_machine() -> None:
     cfg = _compose(["experiment=glm5_2_h200_64n"])
     assert cfg.parallelism.nodes * cfg.parallelism.gpus_per_node == 512
     validate(cfg, 512)
+
+
+def test_uneven_stages_build_their_own_layer_counts() -> None:
+    """Each stage's block spec has the layers megatron assigns it (was num_layers // PP on every
+    stage: 2 + 2 instead of 1 + 3). Trained end to end: torchrun --nproc-per-node 2 train.py
+    parallelism=pp2 parallelism.num_layers_in_first_pipeline_stage=1 ..._last_...=3."""
+    from kpool_layers.attention import glm_attention_spec
+    from kpool_layers.spec import glm_decoder_block_spec
+
+    cfg = _compose(["parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=1",
+                    "parallelism.num_layers_in_last_pipeline_stage=3"])
+    validate(cfg, 2)
+    tcfg = to_transformer_config(cfg)
+    attention = glm_attention_spec(tcfg)
+    assert [len(glm_decoder_block_spec(tcfg, attention, pp_rank=r).layer_specs) for r in (0, 1)] == [1, 3]
