@@ -23,7 +23,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_mlp_module_spec_for_backend,
 )
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
@@ -104,7 +104,7 @@ def glm_decoder_block_spec(
         for n in range(1, config.num_layers + 1)
     ]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
-    per_stage = config.num_layers // config.pipeline_model_parallel_size
+    per_stage = get_num_layers_to_build(config, pp_rank=pp_rank)  # uneven first/last stages too
     provider = backend_provider(backend)
     return TransformerBlockSubmodules(
         layer_specs=layers[offset : offset + per_stage],

@@ -212,7 +212,7 @@ def build_train_dataset(
 
     ``kind="mock"``: ``MockGPTDataset`` (synthetic documents ending in EOD). ``kind="indexed"``:
     ``GPTDataset`` over ``paths`` (megatron blend list; weights sample the prefixes in
-    proportion) split by ``split``. Items are dicts of ``tokens``, ``labels``, ``loss_mask``,
+    proportion) split by ``split``, of which only the train split is built. Items are dicts of ``tokens``, ``labels``, ``loss_mask``,
     ``position_ids`` of length ``seq_length`` (no dense ``attention_mask``: with
     ``reset_attention_mask`` the loop runs each row as packed THD documents, see
     :func:`packed_seq_params_from_eod`). Call on every rank (collective when torch.distributed is
@@ -236,6 +236,8 @@ def build_train_dataset(
         eod_mask_loss=data_cfg.eod_mask_loss,
         create_attention_mask=False,
     )
+    if indexed:  # only the train split: an empty validation/test split would never finish building
+        config.split_matrix = [config.split_matrix[0], None, None]
     dataset_cls = GPTDataset if indexed else MockGPTDataset
     train, _, _ = BlendedMegatronDatasetBuilder(
         dataset_cls, [num_samples, 0, 0], lambda: True, config

@@ -45,14 +45,25 @@ def run_id() -> str:
         return f"slurm-{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm-{env['SLURM_JOB_ID']}"
+    launcher = _launcher_process()
+    stamp = _dt.datetime.fromtimestamp(launcher.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
+    return f"{stamp}_torchrun{launcher.pid}" if _under_torchrun() else f"{stamp}_{launcher.pid}"
+
+
+def _under_torchrun() -> bool:
+    return os.environ.get("TORCHELASTIC_RUN_ID") is not None
+
+
+def _launcher_process():  # noqa: ANN202 (psutil.Process)
+    """The process that started this launch: the torchrun agent (shared by all ranks) or this one."""
     import psutil
 
-    if env.get("TORCHELASTIC_RUN_ID") is not None:
-        agent = psutil.Process(os.getppid())
-        stamp = _dt.datetime.fromtimestamp(agent.create_time()).strftime("%Y-%m-%d_%H-%M-%S")
-        return f"{stamp}_torchrun{agent.pid}"
-    me = psutil.Process()
-    return _dt.datetime.fromtimestamp(me.create_time()).strftime("%Y-%m-%d_%H-%M-%S") + f"_{me.pid}"
+    return psutil.Process(os.getppid()) if _under_torchrun() else psutil.Process()
+
+
+def launch_start() -> float:
+    """The start time (epoch seconds) of this launch, the same on every rank of a torchrun."""
+    return _launcher_process().create_time()
 
 
 def register_resolvers() -> None:
@@ -80,16 +91,35 @@ def init_process_group(topo: Topology) -> None:
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    # One process needs no agreed port: a free one, so two runs on one host do not collide.
+    os.environ.setdefault("MASTER_PORT", str(free_port()) if topo.world_size == 1 else "29500")
     if torch.cuda.is_available():
         torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
         backend = "nccl"
     else:
         _cpu.install()
         backend = "gloo"
-    dist.init_process_group(
-        backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(minutes=10)
-    )
+    try:
+        dist.init_process_group(
+            backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(minutes=10)
+        )
+    except RuntimeError as err:  # torch's DistNetworkError / DistStoreError
+        if "address already in use" not in str(err).lower():
+            raise
+        port = os.environ["MASTER_PORT"]
+        raise RuntimeError(
+            f"the rendezvous port {os.environ['MASTER_ADDR']}:{port} is in use (another run on "
+            f"this host?): set MASTER_PORT to a free port, e.g. MASTER_PORT={free_port()} (torchrun: "
+            "--master-port)") from err
+
+
+def free_port() -> int:
+    """A TCP port that is free on this host now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def init_model_parallel(parallelism, seed: int) -> None:  # noqa: ANN001 (ParallelismConfig node)

@@ -13,8 +13,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from kpool_layers import model_facts
+from recipes import memory_plan
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import FlopModel
+from recipes.schema import ConfigError, all_problems
 
 
 def analytic_param_count(m: Any) -> tuple[int, int]:
@@ -118,6 +120,7 @@ def dry_run(cfg: Any) -> None:
                   "expert_model_parallel_size", "context_parallel_size"):
         setattr(tcfg, field, 1)
     tcfg.expert_tensor_parallel_size = 1
+    tcfg.num_layers_in_first_pipeline_stage = tcfg.num_layers_in_last_pipeline_stage = None
     tcfg.sequence_parallel = False
     with meta_init(tcfg):
         model = build_gpt_model(cfg, tcfg)
@@ -133,7 +136,22 @@ def dry_run(cfg: Any) -> None:
     print(f"per-rank memory at TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
           f"EP={p.expert_model_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs: "
           + ", ".join(f"{k} {v:.1f} GiB" for k, v in mem.items()) + " (activations excluded)")
+    for line in memory_plan.report(cfg, model):
+        print(line)
     print_precision_map(cfg, model)
+
+
+def check_all(cfg: Any, world_size: int) -> None:
+    """Every config rule at once for the planned machine; raises one :class:`ConfigError` that
+    lists all broken rules."""
+    problems = all_problems(cfg, world_size)
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        first = problems[0]
+        listing = "\n".join(f"  - {err}" for err in problems)
+        raise ConfigError(first.key, first.value, first.allowed,
+                          f"{len(problems)} config problems for {world_size} GPUs:\n{listing}")
 
 
 def print_precision_map(cfg: Any, model: Any) -> None:

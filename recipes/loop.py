@@ -34,11 +34,14 @@ from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
 from recipes import resume as resume_lib
+from recipes.console import duration
+from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
-from recipes.dry_run import dry_run, flop_model
+from recipes.dry_run import check_all, dry_run, flop_model
 from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
 from recipes.megatron_config import to_transformer_config
-from recipes.metrics import H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib
+from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
+                             reset_peak_memory)
 from recipes.model import build_gpt_model
 from recipes.nonfinite import NonFiniteGuard, json_safe
 from recipes.precision_setup import kernel_rows, report_precision, setup_precision
@@ -70,14 +73,20 @@ def write_result(run_dir: Path, **fields: Any) -> None:
     tmp.replace(run_dir / "result.json")
 
 
-def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float:
-    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run)."""
+def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
+        wandb_group: Optional[str] = None) -> float:
+    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run).
+    ``wandb_group``: the sweep's id when this run is a job of a sweep."""
     topo = distributed.launcher_topology()
     # A dry run plans for the configured machine (nodes x gpus_per_node), not the launching one.
     planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
-        validate(cfg, planned if cfg.train.dry_run else topo.world_size)
+        if cfg.train.dry_run:
+            check_all(cfg, planned)  # every broken rule at once
+        else:
+            validate(cfg, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
+        check_indexed_data(cfg.data, cfg.model.vocab_size)
         if not cfg.train.dry_run:
             preflight(cfg, resume_lib.checkpoint_root(cfg, run_dir))
     except ValueError as err:
@@ -90,7 +99,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None) -> float
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan
-        final = _train(cfg, run_dir, overrides or [], tokenizer)
+        final = _train(cfg, run_dir, overrides or [], tokenizer, wandb_group)
     except (Requeued, Preempted):
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
@@ -199,8 +208,10 @@ def _reduce_loss(reports: list[dict]) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase) -> float:
+def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase,
+           wandb_group: Optional[str]) -> float:
     t = cfg.train
+    reset_peak_memory(distributed.device())  # a sweep's earlier jobs ran in this process
     plan = resume_lib.plan_resume(cfg, resume_lib.checkpoint_root(cfg, run_dir))  # before the build
     ckpt_root = plan.root
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
@@ -220,7 +231,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging,
-                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0)
+                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0,
+                           resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
     report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)
@@ -232,6 +244,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     flops = flop_model(cfg)
     loss = math.nan
     status, requeued = "completed", False
+    train_start, first_step = time.perf_counter(), progress.step
     try:
         while progress.step < t.steps:
             start = time.perf_counter()
@@ -262,8 +275,11 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
             logged = progress.step % t.log_interval == 0 or progress.step == t.steps
             extra = indexer_loss.step_scalars(trainer.model, progress.step, logged)
             if logged:
+                elapsed = time.perf_counter() - train_start
+                eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
-                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps, extra)
+                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps, extra,
+                          f" | {duration(elapsed)} elapsed, ETA {duration(eta)}")
             elif extra:
                 logger.log(progress.step, extra)
             if drift_metrics is not None:
@@ -288,6 +304,9 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
         logger.close()
     write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
                  steps=progress.step)
+    _print0(f"{status}: {progress.step} steps, {progress.consumed_samples * cfg.data.seq_length:,} "
+            f"tokens, {duration(time.perf_counter() - train_start)}, final loss {loss:.4f}, "
+            f"run dir {run_dir}")
     if requeued:
         raise Requeued()
     if status == "preempted":
@@ -300,7 +319,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
               flops: FlopModel, device: torch.device, total_steps: int,
-              extra: dict[str, float]) -> None:
+              extra: dict[str, float], timing: str) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
     scalars = {"loss": loss, "grad_norm": float(grad_norm or 0.0), "lr": lr,
@@ -316,6 +335,7 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
     if INDEXER_LOSS in extra:
         line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"
+    line += timing
     logger.log(step, scalars, console=line)
 
 

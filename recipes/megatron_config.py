@@ -81,6 +81,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=par.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=par.num_layers_in_last_pipeline_stage,
         context_parallel_size=par.context_parallel_size,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,

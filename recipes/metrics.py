@@ -46,11 +46,29 @@ class FlopModel:
         return 3 * fwd
 
 
+WANDB_SECTIONS = {
+    "loss": "train", "grad_norm": "train", "lr": "train",
+    "tokens_per_s": "throughput", "step_time_s": "throughput", "tflops_per_gpu": "throughput",
+    "mfu": "throughput", "peak_mem_gib": "memory",
+}
+"""wandb panel section of each flat ``metrics.jsonl`` key; keys holding a ``/`` (``dsa/...``) keep
+their name, other keys go under ``train/``."""
+
+
+def wandb_key(key: str) -> str:
+    """The wandb name of a ``metrics.jsonl`` key: ``loss`` -> ``train/loss``, ``tokens_per_s`` ->
+    ``throughput/tokens_per_s``, ``peak_mem_gib`` -> ``memory/peak_mem_gib``, ``dsa/...`` as is."""
+    return key if "/" in key else f"{WANDB_SECTIONS.get(key, 'train')}/{key}"
+
+
 class MetricsLogger:
     """Writes step records; a no-op on non-logging ranks."""
 
     def __init__(self, run_dir: Path, logging_cfg: Any, full_config: dict[str, Any],
-                 enabled: bool) -> None:
+                 enabled: bool, resume_step: int = 0, group: Optional[str] = None) -> None:
+        """``resume_step``: the step the run continues from; records of later steps that an
+        earlier, unfinished attempt logged are dropped from ``metrics.jsonl``. ``group``: the
+        wandb group (the sweep's id for the jobs of a sweep)."""
         self.enabled = enabled
         self.run_dir = run_dir
         self._jsonl = None
@@ -58,6 +76,7 @@ class MetricsLogger:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _truncate_after(run_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         mode = getattr(logging_cfg.mode, "value", logging_cfg.mode)
         if mode != "disabled":
@@ -68,7 +87,7 @@ class MetricsLogger:
                 mode=mode, project=logging_cfg.project, entity=logging_cfg.entity,
                 name=logging_cfg.run_name or run_dir.name, dir=str(run_dir),
                 tags=list(logging_cfg.tags), config=full_config, id=_wandb_id(run_dir),
-                resume="allow",
+                resume="allow", group=group,
             )
 
     def log(self, step: int, scalars: dict[str, float], console: Optional[str] = None) -> None:
@@ -77,7 +96,7 @@ class MetricsLogger:
         record = {"step": step, **scalars}
         self._jsonl.write(json.dumps(record) + "\n")
         if self._wandb is not None:
-            self._wandb.log(scalars, step=step)
+            self._wandb.log({wandb_key(k): v for k, v in scalars.items()}, step=step)
         if console:
             print(console, flush=True)
 
@@ -104,6 +123,20 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records of ``path`` up to ``step``; drops a line cut short by a kill."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+        except (ValueError, AttributeError):
+            continue
+    path.write_text("".join(kept))
+
+
 def _wandb_id(run_dir: Path) -> str:
     """A stable wandb id per run dir so a resumed run appends to the same wandb run."""
     import hashlib
@@ -111,10 +144,31 @@ def _wandb_id(run_dir: Path) -> str:
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
+_PROC_STATUS = Path("/proc/self/status")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak measured by :func:`peak_memory_gib` afresh (each job of a sweep that runs in
+    one process): the accelerator's peak allocation, and on Linux the process's peak RSS
+    (``VmHWM``, reset by writing 5 to ``/proc/self/clear_refs``)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux: the peak stays the process's lifetime peak
+
+
 def peak_memory_gib(device: torch.device) -> float:
-    """Peak allocated accelerator memory (GiB); on CPU the process's peak RSS."""
+    """Peak allocated accelerator memory (GiB) since :func:`reset_peak_memory`; on CPU the
+    process's peak RSS (``VmHWM`` on Linux, else ``ru_maxrss``)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
+    if _PROC_STATUS.is_file():
+        for line in _PROC_STATUS.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20  # kB
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -2,7 +2,9 @@
 
 ``conf/config.yaml`` starts its defaults list with ``kpool_schema`` (the :class:`Config` below), so
 every group file is merged into a typed, struct-mode node: an unknown key, a wrong type or a value
-outside an enum fails at composition with OmegaConf's message naming the full key. Cross-field rules
+outside an enum fails at composition with OmegaConf's message naming the full key (keys added with
+``+``/``++`` are caught by :mod:`recipes.config_keys`). Every numeric field declares its allowed
+range next to it (:func:`num`), checked by :func:`check_ranges`. Cross-field rules
 (TP must divide heads, world size must be divisible by TP*PP*CP, ...) live in :func:`validate`,
 which runs before any model is built and raises :class:`ConfigError` naming the key, the value and
 what is allowed.
@@ -14,9 +16,12 @@ Field names of the ``model`` group are megatron-core's own (``TransformerConfig`
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -27,9 +32,43 @@ from kpool_layers import model_facts
 class ConfigError(ValueError):
     """A config value that cannot work, raised before anything expensive happens."""
 
-    def __init__(self, key: str, value: Any, allowed: str) -> None:
+    def __init__(self, key: str, value: Any, allowed: str, message: Optional[str] = None) -> None:
         self.key, self.value, self.allowed = key, value, allowed
-        super().__init__(f"invalid config: {key}={value!r}; allowed: {allowed}")
+        super().__init__(message or f"invalid config: {key}={value!r}; allowed: {allowed}")
+
+
+MIN_VOCAB_SIZE = 256
+"""The smallest ``model.vocab_size`` accepted: a byte-level vocabulary (256 ids) is the smallest
+that can encode any text; below it a model cannot represent its own corpus (megatron's mock data
+and the null tokenizer also reserve the last id for EOD)."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The allowed interval of a numeric field; ``None`` bounds are unbounded."""
+
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    open_lo: bool = False
+    open_hi: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        above = self.lo is None or (value > self.lo if self.open_lo else value >= self.lo)
+        below = self.hi is None or (value < self.hi if self.open_hi else value <= self.hi)
+        return above and below
+
+    def __str__(self) -> str:
+        left = "(-inf" if self.lo is None else f"{'(' if self.open_lo else '['}{self.lo:g}"
+        right = "inf)" if self.hi is None else f"{self.hi:g}{')' if self.open_hi else ']'}"
+        return f"{left}, {right}"
+
+
+def num(default: Any, lo: Optional[float] = None, hi: Optional[float] = None, *,
+        open_lo: bool = False, open_hi: bool = False) -> Any:
+    """A numeric schema field with its allowed :class:`Range` (checked by :func:`check_ranges`;
+    ``tests/test_config.py`` fails for a numeric field declared without one). ``None`` values of
+    ``Optional`` fields are always allowed."""
+    return field(default=default, metadata={"range": Range(lo, hi, open_lo, open_hi)})
 
 
 class Normalization(str, Enum):
@@ -66,64 +105,65 @@ class ModelConfig:
     """GLM-5.x-style decoder: MLA + DSA indexer (optionally KPool) + dense/MoE MLPs."""
 
     name: str = "glm5_tiny"
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    ffn_hidden_size: int = 256
-    vocab_size: int = 512
-    max_position_embeddings: int = 4096
+    num_layers: int = num(4, 1)
+    hidden_size: int = num(128, 1)
+    num_attention_heads: int = num(4, 1)
+    ffn_hidden_size: int = num(256, 1)
+    vocab_size: int = num(512, MIN_VOCAB_SIZE)
+    max_position_embeddings: int = num(4096, 1)
     normalization: Normalization = Normalization.RMSNorm
-    layernorm_epsilon: float = 1e-5
-    init_method_std: float = 0.02
+    layernorm_epsilon: float = num(1e-5, 0.0, 1.0, open_lo=True, open_hi=True)
+    init_method_std: float = num(0.02, 0.0, open_lo=True)
     untie_embeddings_and_output_weights: bool = True
     # Multi-latent attention.
-    q_lora_rank: int = 64
-    kv_lora_rank: int = 32
-    qk_head_dim: int = 32
-    qk_pos_emb_head_dim: int = 16
-    v_head_dim: int = 32
+    q_lora_rank: int = num(64, 1)
+    kv_lora_rank: int = num(32, 1)
+    qk_head_dim: int = num(32, 1)
+    qk_pos_emb_head_dim: int = num(16, 0)  # 0 = NoPE
+    v_head_dim: int = num(32, 1)
     rope_type: RopeType = RopeType.rope
-    rotary_base: float = 10000.0
-    rotary_scaling_factor: float = 1.0
-    original_max_position_embeddings: int = 4096
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mla_latent_norm_epsilon: Optional[float] = None  # q/kv latent RMSNorm eps; null = layernorm_epsilon
+    rotary_base: float = num(10000.0, 0.0, open_lo=True)
+    rotary_scaling_factor: float = num(1.0, 0.0, open_lo=True)
+    original_max_position_embeddings: int = num(4096, 1)
+    mscale: float = num(1.0, 0.0, open_lo=True)
+    mscale_all_dim: float = num(0.0, 0.0)
+    beta_fast: float = num(32.0, 0.0, open_lo=True)
+    beta_slow: float = num(1.0, 0.0, open_lo=True)
+    # q/kv latent RMSNorm eps; null = layernorm_epsilon
+    mla_latent_norm_epsilon: Optional[float] = num(None, 0.0, 1.0, open_lo=True, open_hi=True)
     # DSA lightning indexer.
-    dsa_indexer_n_heads: int = 4
-    dsa_indexer_head_dim: int = 32
-    dsa_indexer_topk: int = 16
-    dsa_indexer_topk_freq: int = 1
-    dsa_indexer_skip_topk_offset: int = 0
-    dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_n_heads: int = num(4, 1)
+    dsa_indexer_head_dim: int = num(32, 1)
+    dsa_indexer_topk: int = num(16, 1)
+    dsa_indexer_topk_freq: int = num(1, 1)
+    dsa_indexer_skip_topk_offset: int = num(0, 0)
+    dsa_indexer_loss_coeff: float = num(0.0, 0.0)
     dsa_indexer_use_sparse_loss: bool = False
     dsa_indexer_rope_interleaved: bool = False
     dsa_indexer_rotate_activation: bool = True
     dsa_indexer_scoring_relu: bool = True
-    dsa_indexer_k_norm_epsilon: float = 1e-6
-    dsa_indexer_query_chunk_size: int = 1024
+    dsa_indexer_k_norm_epsilon: float = num(1e-6, 0.0, 1.0, open_lo=True, open_hi=True)
+    dsa_indexer_query_chunk_size: int = num(1024, 1)
     dsa_kernels: DsaKernels = DsaKernels.auto  # sparse MLA + indexer top-k kernels (docs/kernels.md)
     # KPool (pooled index keys).
-    dsa_indexer_kpool: int = 1
+    dsa_indexer_kpool: int = num(1, 1, max(model_facts.KPOOL_ALLOWED))
     dsa_indexer_kpool_always_select_tail: bool = False
     dsa_indexer_kpool_train_ape: bool = False
     # MoE (num_moe_experts = null: every layer dense).
-    num_moe_experts: Optional[int] = 8
-    moe_first_k_dense_layers: int = 1
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int = 64
-    moe_shared_expert_intermediate_size: Optional[int] = 64
+    num_moe_experts: Optional[int] = num(8, 1)
+    moe_first_k_dense_layers: int = num(1, 0)
+    moe_router_topk: int = num(2, 1)
+    moe_ffn_hidden_size: int = num(64, 1)
+    moe_shared_expert_intermediate_size: Optional[int] = num(64, 1)
     moe_router_score_function: RouterScore = RouterScore.sigmoid
     moe_router_enable_expert_bias: bool = True
-    moe_router_topk_scaling_factor: Optional[float] = 2.5
+    moe_router_topk_scaling_factor: Optional[float] = num(2.5, 0.0, open_lo=True)
     moe_router_load_balancing_type: str = "seq_aux_loss"
-    moe_aux_loss_coeff: float = 1e-4
+    moe_aux_loss_coeff: float = num(1e-4, 0.0)
     moe_token_dispatcher_type: Dispatcher = Dispatcher.allgather
     moe_grouped_gemm: Optional[bool] = None  # null = auto: true on GPUs without FP8 experts (recipes.megatron_config)
     # Multi-token prediction.
-    mtp_num_layers: int = 0
+    mtp_num_layers: int = num(0, 0)
 
 
 class DType(str, Enum):
@@ -165,7 +205,7 @@ class DriftReference(str, Enum):
 class DriftConfig:
     """Top-k drift logging (``precision.drift.*``, see docs/precision.md)."""
 
-    interval: int = 50  # steps between measurements; 0 = off
+    interval: int = num(50, 0)  # steps between measurements; 0 = off
     reference: DriftReference = DriftReference.serving
 
 
@@ -194,17 +234,21 @@ class ParallelismConfig:
     """Megatron parallel sizes. Data parallel size = world / (TP * PP * CP)."""
 
     name: str = "single"
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
+    tensor_model_parallel_size: int = num(1, 1)
+    pipeline_model_parallel_size: int = num(1, 1)
+    context_parallel_size: int = num(1, 1)
+    expert_model_parallel_size: int = num(1, 1)
+    expert_tensor_parallel_size: Optional[int] = num(None, 1)
+    # Uneven pipeline stages (megatron's names): the first / last stage's decoder layers, the
+    # other stages split the rest evenly. null: every stage gets num_layers / PP.
+    num_layers_in_first_pipeline_stage: Optional[int] = num(None, 1)
+    num_layers_in_last_pipeline_stage: Optional[int] = num(None, 1)
     sequence_parallel: Optional[bool] = None  # null: on when TP > 1 (MoE with TP requires it)
     use_distributed_optimizer: bool = True
     overlap_grad_reduce: bool = False
     # Launcher geometry (SLURM/torchrun); world size = nodes * gpus_per_node.
-    nodes: int = 1
-    gpus_per_node: int = 1
+    nodes: int = num(1, 1)
+    gpus_per_node: int = num(1, 1)
 
 
 class DataKind(str, Enum):
@@ -221,12 +265,12 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)
     split: str = "969,30,1"
     tokenizer: Optional[str] = None
-    seq_length: int = 128
+    seq_length: int = num(128, 1)
     reset_position_ids: bool = False
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     cache_dir: Optional[str] = None
-    num_workers: int = 0
+    num_workers: int = num(0, 0)
 
 
 class LrDecay(str, Enum):
@@ -239,31 +283,31 @@ class LrDecay(str, Enum):
 class TrainConfig:
     """Optimizer, schedule, batch sizes, steps and checkpointing."""
 
-    steps: int = 30
-    micro_batch_size: int = 2
-    global_batch_size: int = 4
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    lr_warmup_steps: int = 3
+    steps: int = num(30, 1)
+    micro_batch_size: int = num(2, 1)
+    global_batch_size: int = num(4, 1)
+    lr: float = num(3e-3, 0.0, open_lo=True)
+    min_lr: float = num(3e-4, 0.0)
+    lr_warmup_steps: int = num(3, 0)
     lr_decay_style: LrDecay = LrDecay.cosine
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
-    log_interval: int = 1
-    save_interval: int = 0  # 0: save only at the end
+    weight_decay: float = num(0.01, 0.0)
+    adam_beta1: float = num(0.9, 0.0, 1.0, open_hi=True)
+    adam_beta2: float = num(0.95, 0.0, 1.0, open_hi=True)
+    adam_eps: float = num(1e-8, 0.0, open_lo=True)
+    clip_grad: float = num(1.0, 0.0)  # 0 = no clipping
+    seed: int = num(1234, 0, 2**32 - 1)  # numpy's seed range
+    log_interval: int = num(1, 1)
+    save_interval: int = num(0, 0)  # 0: save only at the end
     save_final: bool = True  # checkpoint after the last step (benchmarks turn it off)
     save: Optional[str] = None  # default: <run dir>/checkpoints
     load: Optional[str] = None  # a checkpoint to initialise the weights from (no optimizer state)
     resume: str = "auto"  # auto | none | <checkpoint dir>
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = num(2, 1)
     dry_run: bool = False
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
     # Checkpoint safety (issue #14; recipes/resume.py, recipes/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
-    nonfinite_skip: int = 0  # steps with NaN/inf loss or grads skipped before the run stops
+    nonfinite_skip: int = num(0, 0)  # steps with NaN/inf loss or grads skipped before the run stops
 
 
 class WandbMode(str, Enum):
@@ -312,51 +356,113 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=node)
 
 
+_found: ContextVar[Optional[list[ConfigError]]] = ContextVar("_found", default=None)
+"""Set by :func:`all_problems`: failed rules are collected here instead of raised."""
+
+
+def _fail(err: ConfigError) -> None:
+    found = _found.get()
+    if found is None:
+        raise err
+    found.append(err)
+
+
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ConfigError(key, value, allowed)
+        _fail(ConfigError(key, value, allowed))
 
 
 def _divisors_of(n: int) -> str:
     return "a divisor of " + str(n) + " (" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + ")"
 
 
+def numeric_fields(schema: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """(dotted key, field) of every int or float field (``Optional`` too, bool not) of ``schema``
+    and its nested dataclasses."""
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from numeric_fields(hint, prefix + f.name + ".")
+        elif {a for a in typing.get_args(hint) or (hint,) if a is not type(None)} & {int, float}:
+            yield prefix + f.name, f
+
+
+def check_ranges(cfg: Any) -> None:
+    """Raise :class:`ConfigError` for a numeric value outside its field's declared :class:`Range`."""
+    for key, f in numeric_fields():
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        allowed: Range = f.metadata["range"]
+        if node is not None and node not in allowed:
+            kind = "an integer" if isinstance(f.default, int) else "a number"
+            raise ConfigError(key, node, f"{kind} in {allowed}")
+
+
+def _check_world_size(world_size: int, tp: int, pp: int, cp: int) -> None:
+    """TP*PP*CP must divide the world size; blames the first factor that makes it not divide."""
+    product = 1
+    for key, size in (("tensor_model_parallel_size", tp), ("pipeline_model_parallel_size", pp),
+                      ("context_parallel_size", cp)):
+        product *= size
+        if world_size % product:
+            _fail(ConfigError(f"parallelism.{key}", size,
+                              f"values with TP*PP*CP dividing the world size {world_size} (got TP={tp}, "
+                              f"PP={pp}, CP={cp}); launch {tp * pp * cp} ranks, e.g. torchrun "
+                              f"--nproc-per-node {tp * pp * cp} train.py ..."))
+            return
+
+
 def validate(cfg: Any, world_size: int) -> None:
-    """Cross-field checks on a composed config (``Config`` or a DictConfig of it).
+    """Checks on a composed config (``Config`` or a DictConfig of it): every key exists in the
+    schema, every number is in its field's range, then the cross-field rules.
 
     Raises :class:`ConfigError` naming the first offending key. Runs before any model is built.
     """
+    from recipes.config_keys import check_config_keys
+
+    check_config_keys(cfg)
+    check_ranges(cfg)
+    _check_rules(cfg, world_size)
+
+
+def all_problems(cfg: Any, world_size: int) -> list[ConfigError]:
+    """Every rule of :func:`validate` that ``cfg`` breaks (a dry run lists them all at once); an
+    unknown key or a value out of range is reported alone (the other rules assume sane values)."""
+    from recipes.config_keys import check_config_keys
+
+    try:
+        check_config_keys(cfg)
+        check_ranges(cfg)
+    except ConfigError as err:
+        return [err]
+    token = _found.set([])
+    try:
+        _check_rules(cfg, world_size)
+        return list(_found.get())
+    finally:
+        _found.reset(token)
+
+
+def _check_rules(cfg: Any, world_size: int) -> None:
+    """The cross-field rules (each failure raised, or collected under :func:`all_problems`)."""
     m, p, t, d = cfg.model, cfg.parallelism, cfg.train, cfg.data
-    for key, value in (("model.num_layers", m.num_layers), ("model.hidden_size", m.hidden_size),
-                       ("model.num_attention_heads", m.num_attention_heads),
-                       ("model.vocab_size", m.vocab_size), ("data.seq_length", d.seq_length),
-                       ("train.steps", t.steps), ("train.micro_batch_size", t.micro_batch_size),
-                       ("train.global_batch_size", t.global_batch_size),
-                       ("parallelism.tensor_model_parallel_size", p.tensor_model_parallel_size),
-                       ("parallelism.pipeline_model_parallel_size", p.pipeline_model_parallel_size),
-                       ("parallelism.context_parallel_size", p.context_parallel_size),
-                       ("parallelism.expert_model_parallel_size", p.expert_model_parallel_size)):
-        _require(value >= 1, key, value, "an integer >= 1")
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                       p.context_parallel_size, p.expert_model_parallel_size)
     _require(m.num_attention_heads % tp == 0, "parallelism.tensor_model_parallel_size", tp,
              _divisors_of(m.num_attention_heads) + " = model.num_attention_heads' divisors")
     _require(cp == 1, "parallelism.context_parallel_size", cp,
              "1 (the sparse MLA attention has no context-parallel path yet)")
-    _require(world_size % (tp * pp * cp) == 0, "parallelism.tensor_model_parallel_size", tp,
-             f"values with TP*PP*CP dividing the world size {world_size} "
-             f"(got TP={tp}, PP={pp}, CP={cp})")
-    _require(m.num_layers % pp == 0, "parallelism.pipeline_model_parallel_size", pp,
-             _divisors_of(m.num_layers) + " = model.num_layers' divisors")
-    dp = world_size // (tp * pp * cp)
+    _check_world_size(world_size, tp, pp, cp)
+    _check_stages(m, p)
+    dp = max(world_size // (tp * pp * cp), 1)  # 0 only when the world size check failed
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
              t.global_batch_size, f"a multiple of micro_batch_size * data_parallel_size = "
              f"{t.micro_batch_size} * {dp} = {t.micro_batch_size * dp}")
     if p.sequence_parallel:
         _require(tp > 1, "parallelism.sequence_parallel", True, "false or null when TP == 1")
     if m.num_moe_experts is not None:
-        _require(m.num_moe_experts >= 1, "model.num_moe_experts", m.num_moe_experts,
-                 "null (dense) or an integer >= 1")
         _require(m.num_moe_experts % ep == 0, "parallelism.expert_model_parallel_size", ep,
                  _divisors_of(m.num_moe_experts) + " = model.num_moe_experts' divisors")
         _require(1 <= m.moe_router_topk <= m.num_moe_experts, "model.moe_router_topk",
@@ -364,8 +470,8 @@ def validate(cfg: Any, world_size: int) -> None:
         _require(0 <= m.moe_first_k_dense_layers <= m.num_layers, "model.moe_first_k_dense_layers",
                  m.moe_first_k_dense_layers, f"0..{m.num_layers} (model.num_layers)")
         if tp > 1 and p.sequence_parallel is False:
-            raise ConfigError("parallelism.sequence_parallel", False,
-                              "true or null: megatron's MoE with TP > 1 requires sequence parallelism")
+            _fail(ConfigError("parallelism.sequence_parallel", False,
+                              "true or null: megatron's MoE with TP > 1 requires sequence parallelism"))
     else:
         _require(ep == 1, "parallelism.expert_model_parallel_size", ep, "1 when model.num_moe_experts is null")
     _require(world_size % (ep * (p.expert_tensor_parallel_size or tp) * pp) == 0,
@@ -374,7 +480,7 @@ def validate(cfg: Any, world_size: int) -> None:
     kpool_problem = model_facts.kpool_problem(m.dsa_indexer_kpool, m.dsa_indexer_topk)
     if kpool_problem is not None:
         key, value, allowed = kpool_problem
-        raise ConfigError(f"model.{key}", value, allowed)
+        _fail(ConfigError(f"model.{key}", value, allowed))
     _require(m.dsa_indexer_head_dim & (m.dsa_indexer_head_dim - 1) == 0 or not m.dsa_indexer_rotate_activation,
              "model.dsa_indexer_head_dim", m.dsa_indexer_head_dim,
              "a power of two when model.dsa_indexer_rotate_activation (Hadamard) is on")
@@ -382,10 +488,6 @@ def validate(cfg: Any, world_size: int) -> None:
              "an even number (0 = NoPE)")
     _require(m.qk_pos_emb_head_dim <= m.dsa_indexer_head_dim, "model.qk_pos_emb_head_dim",
              m.qk_pos_emb_head_dim, f"<= model.dsa_indexer_head_dim={m.dsa_indexer_head_dim}")
-    _require(m.dsa_indexer_topk_freq >= 1, "model.dsa_indexer_topk_freq", m.dsa_indexer_topk_freq,
-             "an integer >= 1 (1 = every layer computes its top-k)")
-    if pp > 1 and m.dsa_indexer_topk_freq > 1:
-        _check_index_share_stages(m.num_layers, pp, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset)
     _require(d.seq_length <= m.max_position_embeddings, "data.seq_length", d.seq_length,
              f"<= model.max_position_embeddings={m.max_position_embeddings}")
     if d.reset_attention_mask:
@@ -396,15 +498,9 @@ def validate(cfg: Any, world_size: int) -> None:
                  "a non-empty list of dataset prefixes (optionally weighted) when data.kind=indexed")
         _require(d.tokenizer is not None, "data.tokenizer", None,
                  "a local Hugging Face tokenizer path when data.kind=indexed")
-    _require(t.lr > 0, "train.lr", t.lr, "a positive float")
-    _require(0 <= t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
-    _require(0 <= t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
+    _require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
+    _require(t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
              f"0..{t.steps - 1} (less than train.steps)")
-    _require(t.save_interval >= 0, "train.save_interval", t.save_interval, "0 (end only) or a positive step count")
-    _require(t.keep_checkpoints >= 1, "train.keep_checkpoints", t.keep_checkpoints, "an integer >= 1")
-    _require(t.nonfinite_skip >= 0, "train.nonfinite_skip", t.nonfinite_skip,
-             "0 (stop at the first non-finite step) or the number of such steps to skip")
-    _require(t.log_interval >= 1, "train.log_interval", t.log_interval, "an integer >= 1")
     _validate_precision(cfg)
     _validate_kernels(cfg)
 
@@ -427,8 +523,7 @@ def _validate_kernels(cfg: Any) -> None:
                                   on_device=on_device)
     except dsa_kernels.KernelUnavailable as err:
         shown = requested if requested == backend else f"{requested} (= {backend} here)"
-        raise ConfigError("model.dsa_kernels", shown,
-                          f"{list(dsa_kernels.BACKENDS)}; {err}") from None
+        _fail(ConfigError("model.dsa_kernels", shown, f"{list(dsa_kernels.BACKENDS)}; {err}"))
 
 
 def _value(x: Any) -> Any:
@@ -454,11 +549,10 @@ def _validate_precision(cfg: Any) -> None:
                  "false with precision.fp8=true (FP8 routing needs per-expert linears, SequentialMLP)")
     if (pr.fp8 and _value(pr.dsa_indexer_weights_proj_dtype) == "fp32"
             and not pr.dsa_indexer_weights_proj_disable_quantization):
-        raise ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
+        _fail(ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
                           "true when precision.dsa_indexer_weights_proj_dtype=fp32 and precision.fp8=true "
-                          "(an FP32 projection cannot also be an FP8 GEMM)")
+                          "(an FP32 projection cannot also be an FP8 GEMM)"))
     interval = pr.drift.interval
-    _require(interval >= 0, "precision.drift.interval", interval, "0 (off) or a positive step count")
     serving_ref = interval > 0 and _value(pr.drift.reference) == "serving"
     if pr.dsa_indexer_kpool_use_quantization or serving_ref:
         d = m.dsa_indexer_head_dim
@@ -469,14 +563,29 @@ def _validate_precision(cfg: Any) -> None:
                  "quantizes one Hadamard-rotated head_dim vector per scale")
 
 
-def _check_index_share_stages(num_layers: int, pp: int, freq: int, offset: int) -> None:
-    """Under IndexShare each pipeline stage must start on a layer that computes its own top-k."""
-    per_stage = num_layers // pp
-    for stage in range(1, pp):
-        first = stage * per_stage + 1
-        if not model_facts.computes_topk(first, freq, offset):
-            raise ConfigError(
-                "parallelism.pipeline_model_parallel_size", pp,
-                f"a size whose stages start on top-k computing layers (stage {stage} starts on "
-                f"layer {first}, which reuses a top-k under model.dsa_indexer_topk_freq={freq}, "
-                f"model.dsa_indexer_skip_topk_offset={offset})")
+def _check_stages(m: Any, p: Any) -> None:
+    """Pipeline stages: megatron can split the layers that way, and under IndexShare every stage
+    starts on a top-k computing layer (see :mod:`recipes.pipeline_layout`)."""
+    from recipes import pipeline_layout as pl
+
+    pp, first, last = (p.pipeline_model_parallel_size, p.num_layers_in_first_pipeline_stage,
+                       p.num_layers_in_last_pipeline_stage)
+    freq, offset = m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset
+    layers = pl.stage_layers(m.num_layers, pp, first, last)
+    fix = pl.suggest_layout(m.num_layers, pp, freq, offset) if pp > 1 else None
+    hint = (f"; e.g. parallelism.num_layers_in_first_pipeline_stage={fix[0]} "
+            f"parallelism.num_layers_in_last_pipeline_stage={fix[1]}" if fix else "")
+    if layers is None:
+        key, value = (("parallelism.pipeline_model_parallel_size", pp) if first is None and last is None
+                      else ("parallelism.num_layers_in_first_pipeline_stage", first))
+        _fail(ConfigError(key, value, f"a split of model.num_layers={m.num_layers} over PP={pp} stages "
+                          f"(first={first}, last={last}) with the other stages equal (null first/last "
+                          f"when PP=1){hint}"))
+        return
+    start = pl.shares_across_stages(layers, freq, offset) if freq > 1 else None
+    if start is not None:
+        _fail(ConfigError(
+            "parallelism.pipeline_model_parallel_size", pp,
+            f"stages that start on top-k computing layers (stages {layers}: layer {start} starts a "
+            f"stage but reuses a top-k under model.dsa_indexer_topk_freq={freq}, "
+            f"model.dsa_indexer_skip_topk_offset={offset}){hint}"))

@@ -3,8 +3,8 @@
 Each training job writes into its Hydra output dir (``hydra.runtime.output_dir``):
 
 * ``metrics.jsonl``: one JSON object per logged step with ``step``, ``loss``, ``grad_norm``,
-  ``lr``, ``tokens_per_s``, ``step_time_s``, ``peak_mem_gib`` and optionally
-  ``indexer_time_share``;
+  ``lr``, ``tokens_per_s``, ``step_time_s`` and ``peak_mem_gib`` (the job's own peak: the loop
+  resets it when a job starts, as the basic launcher runs all jobs in one process);
 * ``result.json``: ``{"status": "completed" | "failed", "error", "overrides", "final_loss",
   "steps"}``.
 
@@ -13,7 +13,7 @@ recipes.sweep.SweepSummaryCallback``) completes ``result.json`` from Hydra's job
 rewrites the sweep summary at the end of *every* job, because Hydra's basic sweeper raises after
 a failed job and never reaches ``on_multirun_end``, and because with hydra-submitit-launcher
 ``on_job_end`` runs inside the SLURM job while the launching process may be gone.
-``on_multirun_end`` rewrites it once more when it is reached. Jobs of a sweep end concurrently,
+``on_multirun_end`` rewrites it once more when it is reached; each rewrite prints its path. Jobs of a sweep end concurrently,
 so every file is written to a temporary name and moved into place with ``os.replace``.
 
 A job dir (one holding ``.hydra/overrides.yaml`` or ``result.json``) without ``result.json`` is
@@ -47,7 +47,7 @@ METRICS_FILE = "metrics.jsonl"
 RESULT_FILE = "result.json"
 CSV_COLUMNS = (
     "job", "label", "status", "steps", "final_loss", "min_loss", "tokens_per_s", "step_time_s",
-    "peak_mem_gib", "indexer_time_share", "error", "overrides",
+    "peak_mem_gib", "error", "overrides",
 )
 
 
@@ -147,8 +147,8 @@ def _median(metrics: list[dict[str, Any]], key: str) -> float | None:
 
 
 def summary_row(job: Job, sweep_dir: Path) -> dict[str, Any]:
-    """One summary row: medians over logged steps of tokens/s, step time and indexer share,
-    the maximum peak memory and the minimum loss."""
+    """One summary row: medians over logged steps of tokens/s and step time, the maximum peak
+    memory and the minimum loss."""
     losses = [float(m["loss"]) for m in job.metrics if m.get("loss") is not None]
     peaks = [float(m["peak_mem_gib"]) for m in job.metrics if m.get("peak_mem_gib") is not None]
     return {
@@ -161,7 +161,6 @@ def summary_row(job: Job, sweep_dir: Path) -> dict[str, Any]:
         "tokens_per_s": _median(job.metrics, "tokens_per_s"),
         "step_time_s": _median(job.metrics, "step_time_s"),
         "peak_mem_gib": max(peaks) if peaks else None,
-        "indexer_time_share": _median(job.metrics, "indexer_time_share"),
         "error": job.error if job.status != "completed" else None,
         "overrides": " ".join(job.overrides),
     }
@@ -222,8 +221,8 @@ def _bar(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
 
 
 def _plot(path: Path, jobs: list[Job], rows: list[dict[str, Any]]) -> None:
-    fig = Figure(figsize=(13, 8), layout="constrained")
-    loss_ax, tps_ax, mem_ax, idx_ax = fig.subplots(2, 2).flatten()
+    fig = Figure(figsize=(16, 5), layout="constrained")
+    loss_ax, tps_ax, mem_ax = fig.subplots(1, 3)
     for job in jobs:
         points = [(m["step"], m["loss"]) for m in job.metrics if m.get("loss") is not None]
         if points:
@@ -235,7 +234,6 @@ def _plot(path: Path, jobs: list[Job], rows: list[dict[str, Any]]) -> None:
         loss_ax.legend(fontsize="small")
     _bar(tps_ax, rows, "tokens_per_s", "tokens/s (median; red: not completed)")
     _bar(mem_ax, rows, "peak_mem_gib", "peak memory (GiB)")
-    _bar(idx_ax, rows, "indexer_time_share", "indexer time share (median)")
     fig.savefig(path, format="png", dpi=100)
 
 
@@ -272,6 +270,14 @@ def record_job_result(output_dir: Path, job_return: JobReturn) -> None:
     _atomic_write(path, lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
 
 
+def _announce(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """Print where the summary is (after every job, so a sweep that stops at a failed job also
+    ends with it)."""
+    done = sum(row["status"] == "completed" for row in rows)
+    print(f"sweep summary ({done}/{len(rows)} jobs completed): {sweep_dir / 'summary.md'} "
+          "(and summary.csv, summary.png)", flush=True)
+
+
 def _sweep_dir(config: DictConfig, output_dir: Path) -> Path:
     """The sweep dir of a job: its output dir without ``hydra.sweep.subdir`` (what ``run_job``
     joined), so it matches the dir the job really wrote to."""
@@ -292,13 +298,14 @@ class SweepSummaryCallback(Callback):
         try:
             record_job_result(output_dir, job_return)
             if config.hydra.mode == RunMode.MULTIRUN:
-                write_summary(_sweep_dir(config, output_dir))
+                sweep_dir = _sweep_dir(config, output_dir)
+                _announce(sweep_dir, write_summary(sweep_dir))
         except Exception:
             log.exception("could not write the sweep summary for job %s", output_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         try:
-            write_summary(sweep_dir)
+            _announce(sweep_dir, write_summary(sweep_dir))
         except Exception:
             log.exception("could not write the sweep summary in %s", sweep_dir)

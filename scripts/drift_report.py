@@ -1,9 +1,11 @@
-"""Plot and summarise top-k drift metrics from an offline wandb run.
+"""Plot and summarise top-k drift metrics of a run.
 
     python scripts/drift_report.py RUN_DIR [--out DIR] [--prefix dsa]
 
-RUN_DIR is a directory holding ``wandb/offline-run-*/run-*.wandb`` (searched recursively), an
-``offline-run-*`` directory, or a ``.wandb`` file. Keys ``<prefix>/<metric>/layer_<i>`` (as logged
+RUN_DIR is a run directory (its ``metrics.jsonl`` is read, so ``logging=none`` runs work too), a
+``metrics.jsonl`` file, or, for runs without one, a directory holding
+``wandb/offline-run-*/run-*.wandb`` (searched recursively), an ``offline-run-*`` directory or a
+``.wandb`` file. Keys ``<prefix>/<metric>/layer_<i>`` (as logged
 by the trainer, e.g. ``dsa/topk_overlap/layer_1``) are collected per metric, and for each metric
 the report writes ``<metric>_lines.png`` (value over steps, one line per layer),
 ``<metric>_heatmap.png`` (layer x step) and a section of ``drift_report.md`` (per-layer first /
@@ -46,7 +48,7 @@ def find_run_files(path: Path) -> list[Path]:
     files = sorted(path.rglob("run-*.wandb"), key=lambda p: p.parent.name)
     files = [f for f in files if f.parent.name.startswith(("offline-run-", "run-"))]
     if not files:
-        raise FileNotFoundError(f"no wandb/offline-run-*/run-*.wandb under {path}")
+        raise FileNotFoundError(f"no metrics.jsonl in {path} and no wandb/offline-run-*/run-*.wandb under it")
     return files
 
 
@@ -192,13 +194,38 @@ def summary_markdown(series: Series, source: list[Path]) -> str:
     return "\n".join(lines)
 
 
-def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Path:
-    """Read the run, write the plots and ``drift_report.md`` to ``out``; returns the markdown path."""
+def read_metrics_jsonl(path: Path) -> dict[int, dict[str, float]]:
+    """Numeric history of a ``metrics.jsonl``: step -> {key: value} (records of one step merged;
+    a line cut short by a kill is skipped)."""
+    rows: dict[int, dict[str, float]] = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and "step" in record:
+            row = rows.setdefault(int(record["step"]), {})
+            row.update({k: float(v) for k, v in record.items()
+                        if k != "step" and isinstance(v, (int, float))})
+    return rows
+
+
+def read_run(run_dir: Path) -> tuple[dict[int, dict[str, float]], list[Path]]:
+    """(history, source files): ``metrics.jsonl`` if the run has one, else its wandb files."""
+    jsonl = run_dir if run_dir.name == "metrics.jsonl" else run_dir / "metrics.jsonl"
+    if jsonl.is_file():
+        return read_metrics_jsonl(jsonl), [jsonl]
     files = find_run_files(run_dir)
     history: dict[int, dict[str, float]] = {}
     for f in files:  # resumed runs: later files override the steps they repeat
         for step, row in read_history(f).items():
             history.setdefault(step, {}).update(row)
+    return history, files
+
+
+def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Path:
+    """Read the run, write the plots and ``drift_report.md`` to ``out``; returns the markdown path."""
+    history, files = read_run(run_dir)
     series = drift_series(history, prefix)
     out = out or (run_dir if run_dir.is_dir() else run_dir.parent) / "drift_report"
     out.mkdir(parents=True, exist_ok=True)
@@ -211,7 +238,8 @@ def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Pa
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="run directory, offline-run-* directory or .wandb file")
+    parser.add_argument("run_dir", type=Path,
+                        help="run directory, metrics.jsonl, offline-run-* directory or .wandb file")
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/drift_report)")
     parser.add_argument("--prefix", default="dsa", help="metric key prefix (default: dsa)")
     args = parser.parse_args(argv)

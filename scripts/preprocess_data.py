@@ -8,6 +8,10 @@ writes ``out/corpus_text_document.bin`` and ``.idx`` (megatron-LM's naming; pass
 one document per input line. Documents that tokenize to nothing are skipped. Use
 ``--append-eod`` for pretraining: the EOD token separates packed documents (see
 ``recipes.data.packed_seq_params_from_eod``).
+
+An input that is not a JSON-lines corpus (empty, binary, not UTF-8, a line that is not a JSON
+object or lacks ``--json-key`` as a string) stops with ``FILE:LINE: what is wrong`` and exit status
+1, and leaves no output files: both are written under temporary names and renamed at the end.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -27,28 +33,59 @@ from recipes.data import load_hf_tokenizer
 _worker_tokenizer = None
 
 
+class InputError(ValueError):
+    """The input is not a JSON-lines corpus; the message starts with ``FILE:LINE:``."""
+
+
 def _init_worker(tokenizer_path: str) -> None:
     global _worker_tokenizer
     _worker_tokenizer = load_hf_tokenizer(tokenizer_path)
 
 
-def _encode(args: tuple[str, str, bool]) -> list[int]:
-    """Token ids of one JSON line's ``key`` field, with EOD appended if asked."""
-    line, key, append_eod = args
-    ids = _worker_tokenizer.tokenize(json.loads(line)[key])
+def _encode(args: tuple[str, bool]) -> list[int]:
+    """Token ids of one document's text, with EOD appended if asked."""
+    text, append_eod = args
+    ids = _worker_tokenizer.tokenize(text)
     if ids and append_eod:
         ids.append(_worker_tokenizer.eod)
     return ids
 
 
-def _lines(path: Path) -> Iterator[str]:
-    with path.open(encoding="utf-8") as f:
-        yield from (line for line in f if line.strip())
+def _texts(path: Path, key: str) -> Iterator[str]:
+    """The ``key`` text of every non-blank line; :class:`InputError` names the first bad line."""
+    if not path.is_file():
+        raise InputError(f"{path}: no such file")
+    found = False
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}:{number}"
+            if b"\0" in raw:
+                raise InputError(f"{where}: binary data (a NUL byte), not JSON-lines text")
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise InputError(f"{where}: not JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(record, dict) or key not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise InputError(f"{where}: no key {key!r} (found {keys}); pick the text field "
+                                 "with --json-key")
+            if not isinstance(record[key], str):
+                raise InputError(f"{where}: {key!r} holds a {type(record[key]).__name__}, not text")
+            found = True
+            yield record[key]
+    if not found:
+        raise InputError(f"{path}: empty (no JSON lines)")
 
 
 def _encoded(args: argparse.Namespace) -> Iterable[list[int]]:
     """Token ids per document, in input order, tokenized by ``args.workers`` processes."""
-    jobs = ((line, args.json_key, args.append_eod) for line in _lines(args.input))
+    jobs = ((text, args.append_eod) for text in _texts(args.input, args.json_key))
     if args.workers <= 1:
         _init_worker(args.tokenizer)
         yield from map(_encode, jobs)
@@ -58,20 +95,31 @@ def _encoded(args: argparse.Namespace) -> Iterable[list[int]]:
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, int]:
-    """Writes ``{output_prefix}_{json_key}_document.{bin,idx}``; returns the counts."""
+    """Writes ``{output_prefix}_{json_key}_document.{bin,idx}``; returns the counts. Raises
+    :class:`InputError` (and writes nothing) for an input that is not a JSON-lines corpus."""
     vocab_size = load_hf_tokenizer(args.tokenizer).vocab_size
     prefix = f"{args.output_prefix}_{args.json_key}_document"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=DType.optimal_dtype(vocab_size))
+    tmp = f"{prefix}.{os.getpid()}.tmp"
+    builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(vocab_size))
     counts = {"documents": 0, "skipped_empty": 0, "tokens": 0}
-    for ids in _encoded(args):
-        if not ids:
-            counts["skipped_empty"] += 1
-            continue
-        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-        counts["documents"] += 1
-        counts["tokens"] += len(ids)
-    builder.finalize(f"{prefix}.idx")
+    try:
+        for ids in _encoded(args):
+            if not ids:
+                counts["skipped_empty"] += 1
+                continue
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            counts["documents"] += 1
+            counts["tokens"] += len(ids)
+        if not counts["documents"]:
+            raise InputError(f"{args.input}: no document tokenizes to any token")
+        builder.finalize(f"{tmp}.idx")
+        os.replace(f"{tmp}.bin", f"{prefix}.bin")
+        os.replace(f"{tmp}.idx", f"{prefix}.idx")
+    finally:
+        builder.data_file.close()
+        for ext in ("bin", "idx"):
+            Path(f"{tmp}.{ext}").unlink(missing_ok=True)
     return counts
 
 
@@ -89,7 +137,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     start = time.perf_counter()
-    counts = preprocess(args)
+    try:
+        counts = preprocess(args)
+    except InputError as err:
+        sys.exit(f"error: {err}")
     elapsed = time.perf_counter() - start
     print(
         f"{args.output_prefix}_{args.json_key}_document: {counts['documents']} documents, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recipes.distributed import register_resolvers
 from recipes.megatron_config import to_transformer_config
-from recipes.schema import ConfigError, register_configs, validate
+from recipes.config_keys import UnknownKeyError, check_overrides
+from recipes.schema import ConfigError, numeric_fields, register_configs, validate
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -86,6 +89,22 @@ INVALID = [
      "parallelism.pipeline_model_parallel_size"),
     (["model.num_moe_experts=null", "parallelism.expert_model_parallel_size=2"], 2,
      "parallelism.expert_model_parallel_size"),
+    # A pp2 preset launched as one process: the PP size is what does not fit, not TP.
+    (["parallelism=pp2"], 1, "parallelism.pipeline_model_parallel_size"),
+    # Out of their declared ranges (field metadata in recipes/schema.py).
+    (["train.clip_grad=-1"], 1, "train.clip_grad"),
+    (["model.vocab_size=1"], 1, "model.vocab_size"),
+    (["train.adam_beta1=1.5"], 1, "train.adam_beta1"),
+    (["train.weight_decay=-5"], 1, "train.weight_decay"),
+    (["train.seed=-1"], 1, "train.seed"),
+    (["data.num_workers=-1"], 1, "data.num_workers"),
+    (["model.kv_lora_rank=-1"], 1, "model.kv_lora_rank"),
+    (["model.dsa_indexer_n_heads=0"], 1, "model.dsa_indexer_n_heads"),
+    (["model.mtp_num_layers=-1"], 1, "model.mtp_num_layers"),
+    (["precision.drift.interval=-1"], 1, "precision.drift.interval"),
+    # Keys added with + / ++ that nothing reads.
+    (["+drift.interval=2"], 1, "drift.interval"),
+    (["++train.step=4"], 1, "train.step"),
 ]
 
 
@@ -95,7 +114,7 @@ def test_invalid_config_names_the_key(overrides: list[str], world: int, key: str
     with pytest.raises(ConfigError) as err:
         validate(cfg, world)
     assert err.value.key == key
-    assert key in str(err.value) and "allowed" in str(err.value)
+    assert key in str(err.value) and ("allowed" in str(err.value) or "did you mean" in str(err.value))
 
 
 @pytest.mark.parametrize(
@@ -109,3 +128,118 @@ def test_schema_rejects_unknown_keys_and_types(override: str, key: str) -> None:
         _compose([override])
     text = str(err.value) + str(getattr(err.value, "__cause__", ""))
     assert key.split(".")[-1] in text
+
+
+def test_every_numeric_key_declares_its_range() -> None:
+    """A numeric field added without ``num(default, lo, hi)`` would escape the range checks."""
+    fields = dict(numeric_fields())
+    assert "precision.drift.interval" in fields and "train.seed" in fields
+    missing = [key for key, f in fields.items() if "range" not in f.metadata]
+    assert not missing, f"numeric schema keys without a range: {missing}"
+    for key, f in fields.items():  # every default lies in its own range
+        assert f.default is None or f.default in f.metadata["range"], key
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("+drift.interval=2", "precision.drift.interval"),  # exists under another group
+    ("train.step=4", "train.steps"),                    # a typo, no + (Hydra's struct error before)
+    ("++model.num_experts=4", "model.num_moe_experts"),
+    ("+kpool=4", "model.dsa_indexer_kpool"),
+])
+def test_unknown_key_suggests_the_closest(override: str, suggestion: str) -> None:
+    with pytest.raises(UnknownKeyError) as err:
+        check_overrides([override])
+    assert err.value.suggestion == suggestion and f"did you mean {suggestion}?" in str(err.value)
+
+
+def test_group_selections_and_hydra_keys_pass() -> None:
+    check_overrides(["model=glm5_2", "+experiment=kpool_sweep", "hydra/launcher=slurm",
+                     "hydra.run.dir=x", "model.dsa_indexer_kpool=1,2", "data.paths=[a,b]",
+                     "~model.mscale"])
+
+
+def _train_py(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    from tests.train_runner import ROOT, subprocess_env
+
+    return subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120,
+                          env=subprocess_env(OMP_NUM_THREADS="1", **env))
+
+
+def test_config_error_is_one_paragraph_without_traceback(tmp_path: Path) -> None:
+    proc = _train_py(["train.step=4"], KPOOL_RUN_ROOT=str(tmp_path))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "Warning" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("Error: unknown config key train.step") and "did you mean train.steps?" in proc.stderr
+
+
+def test_hydra_full_error_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    from recipes.console import config_errors
+
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with pytest.raises(ConfigError), config_errors(exit_on_error=True):
+        check_overrides(["train.step=4"])
+    monkeypatch.delenv("HYDRA_FULL_ERROR")
+    with pytest.raises(SystemExit) as exited, config_errors(exit_on_error=True):
+        check_overrides(["train.step=4"])
+    assert exited.value.code == 2
+
+
+def test_glm5_2_pipeline_needs_uneven_stages_and_gets_a_suggestion() -> None:
+    """78 layers do not split evenly over 8 stages, and under IndexShare every stage must start on
+    a layer computing its top-k: the error proposes first/last stage sizes that satisfy both."""
+    from recipes.pipeline_layout import shares_across_stages, stage_layers, suggest_layout
+
+    world = ["parallelism.nodes=2", "parallelism.gpus_per_node=8", "parallelism.expert_model_parallel_size=2",
+             "train.global_batch_size=2", "train.micro_batch_size=1"]
+    cfg = _compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world])
+    with pytest.raises(ConfigError, match="num_layers_in_first_pipeline_stage=2 "
+                                          "parallelism.num_layers_in_last_pipeline_stage=4"):
+        validate(cfg, 16)
+    assert suggest_layout(78, 8, 4, 3) == (2, 4) and suggest_layout(78, 4, 4, 3) == (18, 20)
+    assert stage_layers(78, 8, 2, 4) == [2] + [12] * 6 + [4]
+    assert shares_across_stages([2] + [12] * 6 + [4], 4, 3) is None
+    assert shares_across_stages([9] + [10] * 6 + [9], 4, 3) == 10  # layer 10 reuses layer 7's top-k
+    validate(_compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world,
+                       "parallelism.num_layers_in_first_pipeline_stage=2",
+                       "parallelism.num_layers_in_last_pipeline_stage=4"]), 16)
+    bad = _compose(["model=glm5_2", "parallelism.pipeline_model_parallel_size=8", *world,
+                    "parallelism.num_layers_in_first_pipeline_stage=9",
+                    "parallelism.num_layers_in_last_pipeline_stage=9"])
+    with pytest.raises(ConfigError, match="layer 10 starts a stage but reuses a top-k"):
+        validate(bad, 16)
+
+
+def test_dry_run_check_lists_every_problem_at_once() -> None:
+    from recipes.dry_run import check_all
+
+    cfg = _compose(["parallelism.tensor_model_parallel_size=3", "model.dsa_indexer_kpool=3",
+                    "train.micro_batch_size=3"])
+    with pytest.raises(ConfigError) as err:
+        check_all(cfg, 3)
+    text = str(err.value)
+    assert text.startswith("3 config problems for 3 GPUs:")  # topk % kpool only for an allowed kpool
+    for key in ("parallelism.tensor_model_parallel_size=3", "train.global_batch_size=4",
+                "model.dsa_indexer_kpool=3"):
+        assert key in text, text
+
+
+def test_glm5_2_cluster_preset_is_valid_for_its_machine() -> None:
+    cfg = _compose(["experiment=glm5_2_h200_64n"])
+    assert cfg.parallelism.nodes * cfg.parallelism.gpus_per_node == 512
+    validate(cfg, 512)
+
+
+def test_uneven_stages_build_their_own_layer_counts() -> None:
+    """Each stage's block spec has the layers megatron assigns it (was num_layers // PP on every
+    stage: 2 + 2 instead of 1 + 3). Trained end to end: torchrun --nproc-per-node 2 train.py
+    parallelism=pp2 parallelism.num_layers_in_first_pipeline_stage=1 ..._last_...=3."""
+    from kpool_layers.attention import glm_attention_spec
+    from kpool_layers.spec import glm_decoder_block_spec
+
+    cfg = _compose(["parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=1",
+                    "parallelism.num_layers_in_last_pipeline_stage=3"])
+    validate(cfg, 2)
+    tcfg = to_transformer_config(cfg)
+    attention = glm_attention_spec(tcfg)
+    assert [len(glm_decoder_block_spec(tcfg, attention, pp_rank=r).layer_specs) for r in (0, 1)] == [1, 3]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,7 @@ from recipes.data import (
     load_hf_tokenizer,
     packed_seq_params_from_eod,
 )
+from recipes.data_checks import check_indexed_data
 from recipes.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,3 +269,68 @@ def test_missing_helpers_without_makefile_raise(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.core.datasets.helpers_cpp", None)
     with pytest.raises(RuntimeError, match="reinstall the megatron-core wheel"):
         ensure_dataset_helpers()
+
+
+# ----------------------------------------------------------------------------------------------
+# What a new user trips over: small corpora, bad input files, datasets that do not fit the model
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_small_corpus_with_the_default_split_does_not_hang(corpus, tmp_path):
+    """40 documents with split 969,30,1 leave the test split 0 documents; megatron would loop
+    forever building it (at 100% CPU). Only the train split is built."""
+    cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], split="969,30,1",
+               tokenizer=str(corpus.tok_dir), cache_dir=str(tmp_path / "cache"))
+    ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
+                             num_samples=20, seed=1)
+    assert len(ds) >= 20
+
+
+def _indexed(prefix: str, split: str = "969,30,1") -> SimpleNamespace:
+    return _cfg(kind="indexed", paths=[prefix], split=split)
+
+
+def test_split_without_train_documents_names_data_split(corpus):
+    check_indexed_data(_indexed(corpus.prefixes["alpha"]), 300)
+    with pytest.raises(ConfigError, match=r"data.split='0,1,0'.*40 documents") as err:
+        check_indexed_data(_indexed(corpus.prefixes["alpha"], "0,1,0"), 300)
+    assert err.value.key == "data.split"
+
+
+def test_token_ids_beyond_vocab_size_name_model_vocab_size(corpus):
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256.*largest token id") as err:
+        check_indexed_data(_indexed(corpus.prefixes["alpha"]), 256)
+    assert err.value.key == "model.vocab_size" and "alpha_text_document.bin" in str(err.value)
+
+
+@pytest.mark.parametrize("damage,named", [("bin", ".bin holds"), ("idx", ".idx is truncated"),
+                                          ("missing", ".idx does not exist")])
+def test_truncated_or_missing_files_are_named(corpus, tmp_path, damage, named):
+    prefix = tmp_path / "copy"
+    for ext in ("bin", "idx"):
+        data = Path(f"{corpus.prefixes['alpha']}.{ext}").read_bytes()
+        Path(f"{prefix}.{ext}").write_bytes(data[: len(data) // 2] if ext == damage else data)
+    if damage == "missing":
+        Path(f"{prefix}.idx").unlink()
+    with pytest.raises(ConfigError, match=re.escape(named)) as err:
+        check_indexed_data(_indexed(str(prefix)), 300)
+    assert err.value.key == "data.paths" and str(prefix) in str(err.value)
+
+
+@pytest.mark.parametrize("content,error", [
+    (b"", r"in.jsonl: empty"),
+    (b'{"text": "ok"}\n\x00\x01binary\n', r"in.jsonl:2: binary data"),
+    (b'{"text": "ok"}\n{"text": "caf\xe9"}\n', r"in.jsonl:2: not UTF-8"),
+    (b'{"text": "ok"}\n\n{"body": "x"}\n', r"in.jsonl:3: no key 'text' \(found \['body'\]\)"),
+    (b'{"text": "ok"}\nnot json\n', r"in.jsonl:2: not JSON"),
+    (b'{"text": 5}\n', r"in.jsonl:1: 'text' holds a int"),
+])
+def test_preprocess_rejects_bad_input_with_file_and_line(corpus, tmp_path, content, error):
+    (tmp_path / "in.jsonl").write_bytes(content)
+    with pytest.raises(SystemExit) as exited:
+        _load_script().main(["--input", str(tmp_path / "in.jsonl"), "--tokenizer", str(corpus.tok_dir),
+                             "--output-prefix", str(tmp_path / "out" / "c")])
+    assert re.search(error, str(exited.value.code)), exited.value.code
+    assert str(exited.value.code).startswith("error: ")
+    assert not list((tmp_path / "out").iterdir())  # no partial .bin/.idx

@@ -4,6 +4,7 @@ wandb drift report."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,21 @@ def test_drift_report_truncated_and_bad_files(offline_run, tmp_path):
     empty.mkdir()
     with pytest.raises(FileNotFoundError):
         report.find_run_files(empty)
+
+
+def test_drift_report_reads_metrics_jsonl_without_wandb(tmp_path):
+    """A ``logging=none`` run has no wandb files; the report reads its metrics.jsonl (step lines
+    and drift lines of one step merged, a line cut short by a kill skipped)."""
+    report = _load_report_module()
+    lines = []
+    for step in range(1, 11):
+        lines.append(json.dumps({"step": step, "loss": 2.0, "tokens_per_s": 10.0}))
+        if step % 5 == 0:
+            lines.append(json.dumps({"step": step, "dsa/topk_overlap": 0.95,
+                                     **{f"dsa/topk_overlap/layer_{i}": 1.0 - 0.01 * step * i for i in (1, 2)}}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 11, "dsa/to')
+    assert report.main([str(tmp_path)]) == 0
+    md = (tmp_path / "drift_report" / "drift_report.md").read_text()
+    assert "metrics.jsonl" in md and "## topk_overlap" in md
+    assert "| 2 | 2 | 0.9000 | 0.8000 |" in md  # layer 2: steps 5 and 10
+    assert not (tmp_path / "wandb").exists()

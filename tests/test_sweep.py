@@ -18,14 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _metrics(kpool: int, steps: int, indexer: bool = True) -> str:
+def _metrics(kpool: int, steps: int) -> str:
     lines = []
     for step in range(1, steps + 1):
         record = {"step": step, "loss": 8.0 / step + kpool, "grad_norm": 1.0, "lr": 1e-4,
                   "tokens_per_s": 1000.0 * kpool + step, "step_time_s": 0.5,
                   "peak_mem_gib": 10.0 + step}
-        if indexer:
-            record["indexer_time_share"] = 0.1 * kpool
         lines.append(json.dumps(record))
     return "\n".join(lines) + "\n"
 
@@ -54,7 +52,7 @@ def test_summary_from_fake_job_dirs(tmp_path):
         _job(sweep, num, [f"model.dsa_indexer_kpool={kpool}", const], _metrics(kpool, 4),
              {"status": "completed", "error": None, "final_loss": 2.0 + kpool, "steps": 4,
               "overrides": [f"model.dsa_indexer_kpool={kpool}", const]})
-    _job(sweep, 2, ["model.dsa_indexer_kpool=8", const], _metrics(8, 2, indexer=False) + '{"st',
+    _job(sweep, 2, ["model.dsa_indexer_kpool=8", const], _metrics(8, 2) + '{"st',
          {"status": "failed", "error": "CUDA out of memory", "final_loss": None, "steps": 2,
           "overrides": ["model.dsa_indexer_kpool=8", const]})
     _job(sweep, 3, ["model.dsa_indexer_kpool=16", const], None, None)
@@ -68,10 +66,10 @@ def test_summary_from_fake_job_dirs(tmp_path):
     assert float(done["final_loss"]) == 6.0 and float(done["min_loss"]) == 6.0
     assert float(done["tokens_per_s"]) == 4002.5  # median over steps
     assert float(done["peak_mem_gib"]) == 14.0
-    assert float(done["indexer_time_share"]) == 0.4
     failed = rows["model.dsa_indexer_kpool=8"]
     assert (failed["status"], failed["error"], failed["steps"]) == ("failed", "CUDA out of memory", "2")
-    assert failed["indexer_time_share"] == "" and float(failed["min_loss"]) == 12.0
+    assert float(failed["min_loss"]) == 12.0
+    assert "indexer_time_share" not in failed  # nothing measures it: no empty column or panel
     missing = rows["model.dsa_indexer_kpool=16"]
     assert missing["status"] == "missing" and "result.json" in missing["error"]
     assert missing["overrides"] == f"model.dsa_indexer_kpool=16 {const}"
@@ -152,4 +150,50 @@ def test_hydra_multirun_with_failing_job(tmp_path):
     assert float(rows["x=2"]["final_loss"]) == 4.0
     assert rows["x=2"]["overrides"] == "x=2 seed=5"
     assert "RuntimeError: boom at x=3" in (sweep / "summary.md").read_text()
+    # The sweep stops at the failed job; its last line still says where the summary is.
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == f"sweep summary (2/3 jobs completed): {sweep / 'summary.md'} (and summary.csv, summary.png)"
     assert (sweep / "summary.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_peak_memory_is_per_job_not_per_process() -> None:
+    """The basic launcher runs a sweep's jobs in one process: a small job after a big one must not
+    report the big one's peak."""
+    import torch
+
+    from recipes.metrics import peak_memory_gib, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    big = torch.ones(2**28 // 4 * 3)  # 768 MiB
+    big_peak = peak_memory_gib(cpu)
+    del big
+    reset_peak_memory(cpu)
+    assert peak_memory_gib(cpu) < big_peak - 0.5
+
+
+def test_wandb_keys_are_grouped_and_sweeps_share_a_group(tmp_path, monkeypatch):
+    import wandb
+
+    from recipes.metrics import MetricsLogger
+
+    logged, init = [], {}
+
+    class FakeRun:
+        def log(self, values, step):
+            logged.append((step, values))
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: init.update(kwargs) or FakeRun())
+    cfg = type("L", (), dict(mode="offline", project="p", entity=None, run_name=None, tags=[]))
+    logger = MetricsLogger(tmp_path, cfg, {}, enabled=True, group="2026-12-01_10-00-00_42")
+    logger.log(1, {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "tokens_per_s": 5.0, "mfu": 0.1,
+                   "peak_mem_gib": 3.0, "dsa/topk_overlap": 0.9})
+    logger.close()
+    assert init["group"] == "2026-12-01_10-00-00_42"
+    assert logged == [(1, {"train/loss": 2.0, "train/grad_norm": 1.0, "train/lr": 0.1,
+                           "throughput/tokens_per_s": 5.0, "throughput/mfu": 0.1,
+                           "memory/peak_mem_gib": 3.0, "dsa/topk_overlap": 0.9})]
+    # metrics.jsonl keeps the flat names
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0

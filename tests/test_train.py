@@ -52,7 +52,7 @@ def test_wandb_offline_history_and_disabled_writes_nothing(tmp_path: Path) -> No
     run_train(tmp_path, "offline", FAST + ["train.steps=4", "logging.mode=offline"])
     (run_file,) = find_run_files(tmp_path / "offline")
     history = read_history(run_file)
-    losses = [history[step]["loss"] for step in sorted(history) if "loss" in history[step]]
+    losses = [history[step]["train/loss"] for step in sorted(history) if "train/loss" in history[step]]
     logged = [r["loss"] for r in metrics(tmp_path / "offline")]
     assert losses == pytest.approx(logged)
     run_train(tmp_path, "disabled", FAST + ["train.steps=2", "train.lr_warmup_steps=1", "logging.mode=disabled"])
@@ -74,11 +74,16 @@ def test_tp2_first_step_loss_equals_tp1(tmp_path: Path) -> None:
 
 
 def test_dry_run_counts_glm5_2_parameters(tmp_path: Path) -> None:
-    out = run_train(tmp_path, "dry", ["model=glm5_2", "train.dry_run=true"])
+    """The cluster preset planned on one CPU: parameters, stages and the per-GPU verdict."""
+    out = run_train(tmp_path, "dry", ["experiment=glm5_2_h200_64n", "train.dry_run=true"])
     line = next(x for x in out.stdout.splitlines() if x.startswith("model glm5_2:"))
     total = int(line.split(":")[1].split("parameters")[0].replace(",", ""))
     assert abs(total - 753_329_940_480) / 753_329_940_480 < 0.005
     assert "active per token" in out.stdout and "per-rank memory" in out.stdout
+    stages = [x for x in out.stdout.splitlines() if x.startswith("  stage ")]
+    assert [int(x.split(":")[1].split()[0]) for x in stages] == [2] + [12] * 6 + [4]
+    verdict = next(x for x in out.stdout.splitlines() if x.startswith("largest: stage"))
+    assert "80 GB (A100/H100): does not fit | 141 GB (H200): fits | 192 GB (B200): fits" in verdict
 
 
 def test_invalid_override_fails_before_building(tmp_path: Path) -> None:

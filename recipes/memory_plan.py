@@ -1,0 +1,119 @@
+"""Per-GPU memory of every pipeline stage, and whether it fits 80 / 141 / 192 GB GPUs.
+
+Parameters come from the meta-built model, layer by layer, so uneven stages and the embedding
+(first stage; also the last with MTP), output layer, final norm and MTP block (last stage) land on
+the right stage. Per rank: dense parameters / TP, expert parameters / (EP * expert TP); bf16 (or
+fp32) weights, fp32 main gradients (megatron DDP reduces in fp32) and 12 B of Adam state per
+parameter (fp32 master, m, v), divided by the data-parallel size with the distributed optimizer.
+
+Activations are an estimate, not a measurement: per token and layer ``34 * h / TP`` bytes
+(Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
+recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
+expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
+plus the last stage's logits (bf16 + fp32 for the loss). A stage fits a GPU if its total is at
+most :data:`USABLE` of the memory (CUDA context, NCCL buffers and fragmentation take the rest).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from recipes.pipeline_layout import stage_layers
+
+GPU_SIZES_GB = {"80 GB (A100/H100)": 80, "141 GB (H200)": 141, "192 GB (B200)": 192}
+USABLE = 0.9
+GIB = 2**30
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass
+class StageMemory:
+    """One pipeline stage's per-GPU memory (GiB)."""
+
+    stage: int
+    layers: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def _parameter_groups(model: nn.Module) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """(dense, expert) parameters per decoder layer, and of the embedding / head / MTP parts."""
+    layers: dict[int, list[int]] = {}
+    parts = {"embedding": [0, 0], "head": [0, 0], "mtp": [0, 0]}
+    for name, p in model.named_parameters():
+        slot = 1 if ".experts." in name else 0
+        match = _LAYER.match(name)
+        if match:
+            layers.setdefault(int(match[1]), [0, 0])[slot] += p.numel()
+        elif name.startswith("embedding."):
+            parts["embedding"][slot] += p.numel()
+        elif name.startswith("mtp."):
+            parts["mtp"][slot] += p.numel()
+        else:  # output_layer, decoder.final_layernorm
+            parts["head"][slot] += p.numel()
+    return [tuple(layers[i]) for i in sorted(layers)], {k: tuple(v) for k, v in parts.items()}
+
+
+def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
+    """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.train
+    world = p.nodes * p.gpus_per_node
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    dp = max(world // (tp * pp * p.context_parallel_size), 1)
+    edp = max(world // (ep * etp * pp), 1)
+    wbytes = 2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4
+    opt_dense = 12 / (dp if p.use_distributed_optimizer else 1)
+    opt_expert = 12 / (edp if p.use_distributed_optimizer else 1)
+    per_layer, parts = _parameter_groups(model)
+    sizes = stage_layers(m.num_layers, pp, p.num_layers_in_first_pipeline_stage,
+                         p.num_layers_in_last_pipeline_stage)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    tokens = t.micro_batch_size * cfg.data.seq_length
+    stages, start = [], 0
+    for stage, count in enumerate(sizes):
+        groups = per_layer[start:start + count]
+        if stage == 0:
+            groups = groups + [parts["embedding"]]
+        if stage == pp - 1:
+            groups = groups + [parts["head"], parts["mtp"]] + ([parts["embedding"]] if m.mtp_num_layers and pp > 1 else [])
+        dense = sum(g[0] for g in groups) / tp
+        expert = sum(g[1] for g in groups) / (ep * etp)
+        moe_layers = sum(1 for g in per_layer[start:start + count] if g[1])
+        per_token = count * 34 * m.hidden_size / tp + moe_layers * 6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp
+        in_flight = min(pp - stage, micro_batches)
+        activations = per_token * tokens * in_flight
+        if stage == pp - 1:
+            activations += tokens * m.vocab_size / tp * 6
+        stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
+                                  (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB))
+        start += count
+    return stages
+
+
+def report(cfg: Any, model: nn.Module) -> list[str]:
+    """Console lines: each stage's memory, the largest, and the verdict per GPU size."""
+    p = cfg.parallelism
+    stages = plan(cfg, model)
+    lines = [f"per-GPU memory by pipeline stage at TP={p.tensor_model_parallel_size} "
+             f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} on "
+             f"{p.nodes}x{p.gpus_per_node} GPUs (micro batch {cfg.train.micro_batch_size} x seq "
+             f"{cfg.data.seq_length}; activations estimated, see recipes/memory_plan.py):"]
+    for s in stages:
+        lines.append(f"  stage {s.stage}: {s.layers} layers | weights {s.weights:.1f} | grads {s.grads:.1f} | "
+                     f"optimizer {s.optimizer:.1f} | activations {s.activations:.1f} | total {s.total:.1f} GiB")
+    worst = max(stages, key=lambda s: s.total)
+    verdicts = [f"{name}: {'fits' if worst.total * GIB <= USABLE * gb * 1e9 else 'does not fit'}"
+                for name, gb in GPU_SIZES_GB.items()]
+    lines.append(f"largest: stage {worst.stage}, {worst.total:.1f} GiB -> " + " | ".join(verdicts))
+    return lines
