@@ -320,10 +320,17 @@ class GLMSparseMLA(MegatronModule):
 
         topk_indices, indexer_out = self._topk(hidden_states, q_latent, positions, cu_seqlens,
                                                packed_seq_params)
-        latent_out = self.core_attention(query, key, topk_indices, doc_start)  # [s, b, n_l, r]
+        slot_mass = None  # the sparse indexer-loss target, from the attention's own forward
+        if (indexer_out is not None and cfg.dsa_indexer_use_sparse_loss
+                and self.core_attention.provides_slot_probs):
+            latent_out, slot_mass = self.core_attention(query, key, topk_indices, doc_start,
+                                                        return_slot_probs=True)
+        else:
+            latent_out = self.core_attention(query, key, topk_indices, doc_start)  # [s, b, n_l, r]
         if indexer_out is not None:
             loss = indexer_kl_loss(self.indexer, indexer_out, query, key, self.softmax_scale,
-                                   sparse=cfg.dsa_indexer_use_sparse_loss, cu_seqlens=cu_seqlens)
+                                   sparse=cfg.dsa_indexer_use_sparse_loss, cu_seqlens=cu_seqlens,
+                                   slot_mass=slot_mass)
             self._record_loss(loss)
             latent_out = IndexerLossAutoScaler.apply(latent_out, loss)
         out = torch.einsum("sbnc,nvc->sbnv", latent_out, v_up).reshape(s, b, -1)

@@ -25,6 +25,9 @@ class SparseMLACore(MegatronModule):
     """Base: holds the scale and the value width; each backend's subclass defines ``forward``."""
 
     backend = ""
+    provides_slot_probs = False
+    """Whether ``forward(..., return_slot_probs=True)`` also returns each slot's attention
+    probability summed over heads, fp32 ``[b, s, W]`` (the sparse indexer-loss target)."""
 
     def __init__(self, config: GLMTransformerConfig, softmax_scale: float, v_channels: int) -> None:
         super().__init__(config=config)
@@ -75,13 +78,16 @@ class TritonSparseMLA(SparseMLACore):
     (bit-reproducible)."""
 
     backend = "triton"
+    provides_slot_probs = True
 
     def forward(self, query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
-                key_start: Optional[Tensor]) -> Tensor:
+                key_start: Optional[Tensor], return_slot_probs: bool = False
+                ) -> Tensor | tuple[Tensor, Tensor]:
         from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
         return sparse_mla_triton(query, latent_kv, topk_indices, self.softmax_scale,
-                                 v_channels=self.v_channels, key_start=key_start)
+                                 v_channels=self.v_channels, key_start=key_start,
+                                 return_slot_probs=return_slot_probs)
 
 
 CORE_ATTENTION: dict[str, type[SparseMLACore]] = {

@@ -7,6 +7,12 @@ same keys. For ``kpool > 1`` the target is the attention mass of every visible c
 and the prediction is the softmax over pool scores. ``sparse`` restricts both to the selected keys
 (pools), otherwise all causal keys of the query's document count.
 
+Sparse target from the attention's own forward (``slot_mass``): a sparse-MLA kernel that returns
+each slot's attention probability summed over heads (``dsa_kernels=triton``) already holds the
+sparse target, so no second pass over the main attention is needed; it is summed over TP ranks,
+per pool over its ``kpool`` slots (the tail is not a pool) and normalised exactly as the recomputed
+one.
+
 Memory: queries are processed in chunks of ``config.dsa_indexer_query_chunk_size``; each chunk is
 activation-checkpointed, so nothing of size ``[s, s]`` (or ``[s, s / kpool]``) is kept for
 backward; the no-grad target of a chunk is recomputed in backward.
@@ -45,6 +51,7 @@ def _chunk_kl(
     layout: PoolLayout,
     start: int,
     windows: tuple[int, int, int],
+    slot_mass: Optional[Tensor],
     *,
     softmax_scale: float,
     relu: bool,
@@ -55,11 +62,17 @@ def _chunk_kl(
 
     q [c, h, d], weights [c, h], keys [n, d] (all of the row's index keys), main_query [c, nh, dk],
     main_key [s, dk], selected [c, W] token indices (-1 = none). ``windows`` = (first token, first
-    pool, one past the last pool) any of the chunk's queries can see."""
+    pool, one past the last pool) any of the chunk's queries can see. ``slot_mass`` [c, W] (sparse
+    only): the attention probability of every selected slot summed over all heads, which replaces
+    the recomputation of the main attention."""
     c = q.shape[0]
     t_lo, p_lo, p_hi = windows
     dev = q.device
     query = torch.arange(start, start + c, device=dev)
+    if slot_mass is not None:
+        with torch.no_grad():
+            target, pool_ok = _target_from_slots(slot_mass, selected, layout, query, p_lo, p_hi)
+        return _kl(q, weights, keys, target, pool_ok, p_lo, p_hi, relu)
     with torch.no_grad():
         tokens = torch.arange(t_lo, start + c, device=dev)
         token_ok = (tokens >= layout.doc_start[query, None]) & (tokens <= query[:, None])  # [c, tw]
@@ -84,11 +97,39 @@ def _chunk_kl(
             pool_ok &= token_ok[:, pool_tokens].any(dim=-1)
         target = target * pool_ok
         target = target / target.sum(dim=-1, keepdim=True).clamp_min(TARGET_EPS)
+    return _kl(q, weights, keys, target, pool_ok, p_lo, p_hi, relu)
 
+
+def _kl(q: Tensor, weights: Tensor, keys: Tensor, target: Tensor, pool_ok: Tensor, p_lo: int,
+        p_hi: int, relu: bool) -> Tensor:
+    """Summed KL(target || softmax of the index scores over ``pool_ok``) of a chunk: target and
+    pool_ok [c, pw] over pools ``p_lo .. p_hi``."""
     scores = index_scores(q, keys[p_lo:p_hi], weights, relu=relu)  # [c, pw]
     log_pred = torch.log_softmax(_masked_fill_min(scores, pool_ok), dim=-1)
     kl = target * (torch.log(target.clamp_min(TARGET_EPS)) - log_pred)
     return torch.where(pool_ok, kl, 0.0).sum()
+
+
+def _target_from_slots(slot_mass: Tensor, selected: Tensor, layout: PoolLayout, query: Tensor,
+                       p_lo: int, p_hi: int) -> tuple[Tensor, Tensor]:
+    """Sparse target and pool mask [c, pw] from the attention mass of each selected slot.
+
+    ``slot_mass`` / ``selected`` [c, W]: the first ``topk`` slots are whole pools (``kpool``
+    consecutive slots each, -1 groups for none), the rest is the tail, which is not a pool. Each
+    pool's mass is the sum over its slots (a fixed-order reduction), written to its column."""
+    c, pw, kpool = selected.shape[0], p_hi - p_lo, layout.kpool
+    n_sel = selected.shape[1] // kpool  # W = topk (+ kpool - 1 tail slots)
+    groups = selected[:, : n_sel * kpool].view(c, n_sel, kpool)[..., 0]  # first token of each pool
+    mass = slot_mass[:, : n_sel * kpool].reshape(c, n_sel, kpool).sum(-1)
+    pool = torch.searchsorted(layout.pool_start, groups.clamp_min(0))  # pool of that first token
+    visible = (groups >= 0) & (pool >= layout.query_lo[query, None]) & (pool < layout.query_hi[query, None])
+    column = torch.where(visible, pool - p_lo, pw)  # pw: a dump column for empty groups
+    target = torch.zeros(c, pw + 1, dtype=mass.dtype, device=mass.device)
+    target.scatter_(1, column, torch.where(visible, mass, 0.0))  # unique pools per row
+    pool_ok = torch.zeros(c, pw + 1, dtype=torch.bool, device=mass.device)
+    pool_ok.scatter_(1, column, visible)
+    target, pool_ok = target[:, :pw], pool_ok[:, :pw]
+    return target / target.sum(dim=-1, keepdim=True).clamp_min(TARGET_EPS), pool_ok
 
 
 def indexer_kl_loss(
@@ -100,6 +141,7 @@ def indexer_kl_loss(
     *,
     sparse: bool,
     cu_seqlens: Optional[Tensor] = None,
+    slot_mass: Optional[Tensor] = None,
 ) -> Tensor:
     """``dsa_indexer_loss_coeff * mean over queries of KL(target || softmax(indexer scores))``.
 
@@ -112,6 +154,9 @@ def indexer_kl_loss(
         sparse: restrict target and prediction to the selected keys (pools).
         cu_seqlens: int [n_docs + 1] packed THD boundaries (b == 1); must match the indexer call
             (``out.layout`` already encodes them).
+        slot_mass: fp32 [b, s, W] (``sparse`` only) the main attention's probability of every slot
+            of ``out.topk_indices`` summed over this rank's heads, from the attention's forward;
+            summed over TP here. None: recompute the main attention.
 
     Returns:
         Scalar loss (the mean is over all ``b * s`` query rows, megatron's convention) scaled by
@@ -127,6 +172,14 @@ def indexer_kl_loss(
     expected = pool_layout(s, layout.kpool, cu_seqlens, device=layout.doc_start.device)
     if not torch.equal(expected.doc_start, layout.doc_start):
         raise ValueError("cu_seqlens differ from the ones the indexer output was computed with")
+    if slot_mass is not None:
+        if not sparse:
+            raise ValueError("slot_mass holds the sparse target only (dsa_indexer_use_sparse_loss)")
+        slot_mass = slot_mass.detach().to(score_dtype(slot_mass.dtype))
+        tp = indexer.tp_group
+        if tp is not None and dist.get_world_size(tp) > 1:
+            slot_mass = slot_mass.clone()
+            dist.all_reduce(slot_mass, group=tp)  # heads are split over TP ranks
     chunk = cfg.dsa_indexer_query_chunk_size
     doc_start, lo, hi = layout.doc_start.cpu(), layout.query_lo.cpu(), layout.query_hi.cpu()
     total = main_query.new_zeros((), dtype=score_dtype(out.q.dtype))
@@ -148,6 +201,7 @@ def indexer_kl_loss(
                 layout,
                 start,
                 windows,
+                None if slot_mass is None else slot_mass[row, start:end],
                 softmax_scale=softmax_scale,
                 relu=cfg.dsa_indexer_scoring_relu,
                 sparse=sparse,

@@ -131,3 +131,31 @@ def test_layer_with_backend_matches_torch_layer(single_rank_parallel_state, back
     assert _rel(out, ref_out) <= REL
     for name, grad in ref_grads.items():
         assert _rel(grads[name], grad) <= REL, name
+
+
+@pytest.mark.parametrize("kpool", [1, 4])
+def test_triton_sparse_indexer_loss_from_the_forward_matches_torch(single_rank_parallel_state,
+                                                                   kpool: int) -> None:
+    """dsa_kernels=triton takes the sparse indexer-loss target from the attention forward's slot
+    probabilities; the loss and the indexer's gradients match the torch layer's recomputation."""
+    kw = dict(hidden_size=256, num_attention_heads=16, q_lora_rank=128, kv_lora_rank=512,
+              qk_head_dim=64, qk_pos_emb_head_dim=64, v_head_dim=64, dsa_indexer_n_heads=8,
+              dsa_indexer_head_dim=64, dsa_indexer_topk=128, dsa_indexer_kpool=kpool,
+              dsa_indexer_kpool_always_select_tail=kpool > 1, rope_type="rope",
+              dsa_indexer_loss_coeff=1.0, dsa_indexer_use_sparse_loss=True,
+              params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=False)
+    torch.manual_seed(0)
+    ref_layer = build(tiny_config(**kw)).cuda()
+    layer = build(tiny_config(**kw, dsa_kernels="triton")).cuda()
+    layer.load_state_dict(ref_layer.state_dict())
+    x = torch.randn(1024, 1, 256, device="cuda", dtype=torch.bfloat16)
+    losses, grads = [], []
+    for mod in (ref_layer, layer):
+        mod.train()
+        out, _ = mod(x, None)
+        out.float().square().sum().backward()
+        losses.append(mod.pop_indexer_loss())
+        grads.append({n: p.grad for n, p in mod.indexer.named_parameters() if p.grad is not None})
+    assert losses[0] > 0 and abs(losses[1] - losses[0]) <= REL * losses[0]
+    for name, grad in grads[0].items():
+        assert _rel(grads[1][name], grad) <= REL, name  # same inputs; targets differ by fp32 sum order

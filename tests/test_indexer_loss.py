@@ -134,3 +134,47 @@ def test_mismatched_cu_seqlens_rejected(single_rank_parallel_state) -> None:
     indexer, out, main_q, main_k = run_indexer(tiny_config(), 8, 1, cu)
     with pytest.raises(ValueError, match="cu_seqlens"):
         indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False)
+
+
+def reference_slot_mass(main_q, main_k, topk, key_start):  # noqa: ANN001, ANN201
+    """Each slot's attention probability summed over heads, [b, s, W] (what the Triton sparse-MLA
+    forward returns with ``return_slot_probs``): softmax over the valid slots of every query."""
+    s, b, n, _ = main_q.shape
+    rows = torch.arange(s)
+    valid = (topk >= key_start[None, :, None]) & (topk <= rows[None, :, None])  # [b, s, W]
+    keys = main_k[:, :, 0].transpose(0, 1)  # [b, s, d]
+    k_sel = torch.stack([keys[i][topk[i].clamp_min(0)] for i in range(b)])  # [b, s, W, d]
+    logits = torch.einsum("sbnd,bswd->bsnw", main_q, k_sel) * SCALE
+    probs = torch.softmax(logits.masked_fill(~valid[:, :, None], float("-inf")), dim=-1)
+    return torch.nan_to_num(probs).sum(2) * valid
+
+
+@pytest.mark.parametrize("kpool,tail", [(1, False), (2, False), (4, True)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_sparse_target_from_slot_mass_equals_the_recomputed_one(
+        single_rank_parallel_state, kpool: int, tail: bool, packed: bool) -> None:
+    """The sparse loss from the attention forward's slot probabilities (no second attention pass)
+    is the loss that recomputes the main attention: value and gradients, float64."""
+    cu = torch.tensor([0, kpool + 1, 6 * kpool + 1], dtype=torch.int32) if packed else None
+    s = 6 * kpool + 1
+    b = 1 if packed else 2
+    cfg = tiny_config(dsa_indexer_kpool=kpool, dsa_indexer_topk=2 * kpool,
+                      dsa_indexer_kpool_always_select_tail=tail, dsa_indexer_query_chunk_size=5)
+    indexer, out, main_q, main_k = run_indexer(cfg, s, b, cu, seed=kpool)
+    indexer.double()
+    out.q, out.weights, out.keys = out.q.double(), out.weights.double(), out.keys.double()
+    main_q, main_k = main_q.double(), main_k.double()
+    key_start = out.layout.doc_start
+    mass = reference_slot_mass(main_q, main_k, out.topk_indices, key_start)
+    ours = indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=True, cu_seqlens=cu,
+                           slot_mass=mass)
+    expected = indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=True, cu_seqlens=cu)
+    assert expected.item() > 0
+    torch.testing.assert_close(ours, expected.to(ours.dtype), rtol=1e-10, atol=1e-12)
+    tensors = [out.q, out.weights, out.keys]
+    for a, r in zip(torch.autograd.grad(ours, tensors, retain_graph=True),
+                    torch.autograd.grad(expected, tensors)):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="sparse"):
+        indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False, cu_seqlens=cu,
+                        slot_mass=mass)
