@@ -1,0 +1,1 @@
+"""Triton kernels for the attention layers (imported on demand; needs triton)."""
