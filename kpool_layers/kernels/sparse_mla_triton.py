@@ -57,8 +57,11 @@ def _load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
     ct = tl.arange(0, BT)
     head = tl.load(base + rows_offset[:, None] + cv[None, :],
                    mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
-    tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
-                   mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
+    if T > 0:
+        tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
+                       mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
+    else:
+        tail = tl.zeros((rows_offset.shape[0], BT), base.dtype.element_ty)
     return head, tail
 
 
@@ -120,14 +123,16 @@ def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
 
 
 @triton.jit
-def _probs_and_dscores(q, qt, do, k, kt, valid, lse2, delta, scale, scale_log2,
-                       T: tl.constexpr, PREC: tl.constexpr):
-    """Recomputed probabilities ``P`` and ``dS = P (dO V^T - delta) scale``, fp32 ``[BH, BK]``."""
-    sc = _scores(q, qt, k, kt, T, PREC)
-    p = tl.exp2(sc * scale_log2 - lse2[:, None])
-    p = tl.where(valid[None, :], p, 0.0)
-    dp = tl.dot(do, tl.trans(k), input_precision=PREC)
-    return p, p * (dp - delta[:, None]) * scale
+def _probs(q, qt, k, kt, valid, lse2, scale_log2, T: tl.constexpr, PREC: tl.constexpr):
+    """Recomputed probabilities ``P``, fp32 ``[BH, BK]`` (0 on invalid slots and empty rows)."""
+    p = tl.exp2(_scores(q, qt, k, kt, T, PREC) * scale_log2 - lse2[:, None])
+    return tl.where(valid[None, :], p, 0.0)
+
+
+@triton.jit
+def _dscores(p, do, k, delta, scale, PREC: tl.constexpr):
+    """``dS = P (dO V^T - delta) scale``, fp32 ``[BH, BK]``."""
+    return p * (tl.dot(do, tl.trans(k), input_precision=PREC) - delta[:, None]) * scale
 
 
 @triton.jit
@@ -141,7 +146,7 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
     q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-    do, _ = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)
+    do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
     delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
     dq = tl.zeros([BH, BV], tl.float32)
@@ -150,8 +155,8 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
         keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
                                       HAS_KSTART)
         k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-        _, ds = _probs_and_dscores(q, qt, do, k, kt, valid, lse2, delta, scale, scale_log2, T, PREC)
-        ds = ds.to(k.dtype)
+        p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
+        ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
         dq += tl.dot(ds, k, input_precision=PREC)
         if T > 0:
             dqt += tl.dot(ds, kt, input_precision=PREC)
@@ -182,11 +187,11 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W
         heads = h0 + tl.arange(0, BH)
         hmask = heads < N
         q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-        do, _ = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)
+        do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
         lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
         delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
-        p, ds = _probs_and_dscores(q, qt, do, k, kt, valid, lse2, delta, scale, scale_log2, T, PREC)
-        ds_t = tl.trans(ds.to(q.dtype))
+        p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
+        ds_t = tl.trans(_dscores(p, do, k, delta, scale, PREC).to(q.dtype))
         dk += tl.dot(ds_t, q, input_precision=PREC)
         dk += tl.dot(tl.trans(p.to(q.dtype)), do, input_precision=PREC)
         if T > 0:
