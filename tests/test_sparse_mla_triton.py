@@ -1,5 +1,5 @@
 """The Triton sparse-MLA kernels equal the chunked torch reference, forward and both gradients, and
-are bit-deterministic.
+are bit-deterministic; the optional slot probabilities equal an fp64 softmax summed over heads.
 
 CPU: the kernels run under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``)
 before triton is imported, so all CPU cases run once in a subprocess (this module run as a script)
@@ -38,6 +38,21 @@ def random_topk(b: int, s: int, width: int, gen: torch.Generator, empty: float =
     return keys.view(b, s, width).int()
 
 
+def slot_probs_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,
+                         scale: float, key_start: torch.Tensor | None) -> torch.Tensor:
+    """fp64 ``[b, s, W]``: softmax over each query's valid slots, summed over heads."""
+    s, b, n, d = query.shape
+    rows = torch.arange(s)
+    lowest = key_start if key_start is not None else torch.zeros(s, dtype=torch.int64)
+    keys = topk.long()
+    valid = (keys >= lowest[None, :, None]) & (keys <= rows[None, :, None])
+    k_sel = latent_kv.detach().double()[:, :, 0].transpose(0, 1)  # [b, s, d]
+    k_sel = k_sel[torch.arange(b)[:, None, None], keys.clamp(min=0)]  # [b, s, W, d]
+    scores = torch.einsum("sbnd,bswd->bsnw", query.detach().double(), k_sel) * scale
+    probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), -1)
+    return probs.nan_to_num(0.0).sum(2)
+
+
 def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
              thd: bool = False, empty_rows: tuple[int, ...] = (), partial_rows: int = 0,
              seed: int = 0) -> dict:
@@ -73,6 +88,10 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
     ref = [ref_out, *torch.autograd.grad(ref_out, (query, latent), grad_out)]
     report = {name: ((g.double() - r.double()).norm() / r.double().norm()).item()
               for name, g, r in zip(("out", "dq", "dkv"), got, ref)}
+    _, probs = smla.sparse_mla_triton(query.detach(), latent.detach(), topk, scale, v_channels=v,
+                                      key_start=key_start, return_slot_probs=True)
+    want = slot_probs_reference(query, latent, topk, scale, key_start)
+    report["probs"] = ((probs.double() - want).norm() / want.norm()).item()
     report["dtypes"] = [str(g.dtype).removeprefix("torch.") for g in got]
     report["deterministic"] = all(torch.equal(g, a) for g, a in zip(got, again))
     report["empty_rows_zero"] = all(
@@ -107,7 +126,7 @@ def cpu_report() -> dict:
 def test_matches_reference_cpu(cpu_report: dict, case: str) -> None:
     report, dtype = cpu_report[case], CASES[case][6]
     assert report["dtypes"] == [dtype] * 3
-    for name in ("out", "dq", "dkv"):
+    for name in ("out", "dq", "dkv", "probs"):
         assert report[name] <= RTOL[dtype], (name, report)
     assert report["empty_rows_zero"], report
 

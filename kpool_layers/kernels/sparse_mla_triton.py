@@ -79,7 +79,7 @@ def _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.con
 
 @triton.jit
 def _scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
-    """``q k^T`` over the value and tail channels, fp32 ``[BH, BK]``."""
+    """``q k^T`` over the value and tail channels, fp32 ``[rows of q, rows of k]``."""
     sc = tl.dot(q, tl.trans(k), input_precision=PREC)
     if T > 0:
         sc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
@@ -103,16 +103,17 @@ def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
     for k0 in range(0, W, BK):
         keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
                                       HAS_KSTART)
-        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-        sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
-        sc = tl.where(valid[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
-        p = tl.exp2(sc - m_ref[:, None])
-        alpha = tl.exp2(m - m_ref)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-        m = m_new
+        if tl.max(valid.to(tl.int32), 0) > 0:  # skip blocks of empty slots
+            k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+            sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
+            sc = tl.where(valid[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
+            p = tl.exp2(sc - m_ref[:, None])
+            alpha = tl.exp2(m - m_ref)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+            m = m_new
     nonempty = l > 0.0
     out = acc / tl.where(nonempty, l, 1.0)[:, None]
     cv = tl.arange(0, BV)
@@ -154,12 +155,13 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
     for k0 in range(0, W, BK):
         keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
                                       HAS_KSTART)
-        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-        p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
-        ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
-        dq += tl.dot(ds, k, input_precision=PREC)
-        if T > 0:
-            dqt += tl.dot(ds, kt, input_precision=PREC)
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+            p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
+            ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
+            dq += tl.dot(ds, k, input_precision=PREC)
+            if T > 0:
+                dqt += tl.dot(ds, kt, input_precision=PREC)
     cv = tl.arange(0, BV)
     ct = tl.arange(0, BT)
     base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
@@ -180,28 +182,57 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W
     i = t % S
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
     keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
-    k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-    dk = tl.zeros([BK, BV], tl.float32)
-    dkt = tl.zeros([BK, BT], tl.float32)
-    for h0 in range(0, N, BH):
-        heads = h0 + tl.arange(0, BH)
-        hmask = heads < N
-        q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-        do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
-        lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
-        delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
-        p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
-        ds_t = tl.trans(_dscores(p, do, k, delta, scale, PREC).to(q.dtype))
-        dk += tl.dot(ds_t, q, input_precision=PREC)
-        dk += tl.dot(tl.trans(p.to(q.dtype)), do, input_precision=PREC)
-        if T > 0:
-            dkt += tl.dot(ds_t, qt, input_precision=PREC)
-    cv = tl.arange(0, BV)
-    ct = tl.arange(0, BT)
-    base = PART + (row * W + slots[:, None]) * (V + T)
-    smask = slots[:, None] < W
-    tl.store(base + cv[None, :], dk, mask=smask & (cv[None, :] < V))
-    tl.store(base + V + ct[None, :], dkt, mask=smask & (ct[None, :] < T))
+    if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
+        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        dk = tl.zeros([BK, BV], tl.float32)
+        dkt = tl.zeros([BK, BT], tl.float32)
+        for h0 in range(0, N, BH):
+            heads = h0 + tl.arange(0, BH)
+            hmask = heads < N
+            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
+            lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
+            delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
+            # transposed [BK, BH] scores, so that every product has the slots as rows
+            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            p_t = tl.where(valid[:, None], p_t, 0.0)
+            dp_t = tl.dot(k, tl.trans(do), input_precision=PREC)
+            ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
+            dk += tl.dot(ds_t, q, input_precision=PREC)
+            dk += tl.dot(p_t.to(q.dtype), do, input_precision=PREC)
+            if T > 0:
+                dkt += tl.dot(ds_t, qt, input_precision=PREC)
+        cv = tl.arange(0, BV)
+        ct = tl.arange(0, BT)
+        base = PART + (row * W + slots[:, None]) * (V + T)
+        smask = slots[:, None] < W
+        tl.store(base + cv[None, :], dk, mask=smask & (cv[None, :] < V))
+        tl.store(base + V + ct[None, :], dkt, mask=smask & (ct[None, :] < T))
+
+
+@triton.jit
+def _slot_probs_kernel(Q, KV, IDX, KSTART, LSE, PROBS, S, B, N, W, scale_log2,
+                       sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s,
+                       V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                       PREC: tl.constexpr):
+    """``PROBS[b, i, slot] = sum_h P[h, slot]`` from the final ``LSE``; grid (tokens, slot blocks)."""
+    t = tl.program_id(0).to(tl.int64)
+    bi = t // S
+    i = t % S
+    slots = tl.program_id(1) * BK + tl.arange(0, BK)
+    keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
+    total = tl.zeros([BK], tl.float32)
+    if tl.max(valid.to(tl.int32), 0) > 0:
+        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        for h0 in range(0, N, BH):
+            heads = h0 + tl.arange(0, BH)
+            hmask = heads < N
+            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
+            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            total += tl.sum(tl.where(valid[:, None], p_t, 0.0), 1)
+    tl.store(PROBS + (bi * S + i) * W + slots, total, mask=slots < W)
 
 
 @triton.jit
@@ -227,51 +258,65 @@ def _pow2(x: int) -> int:
     return max(16, triton.next_power_of_2(x))
 
 
-def _blocks(n: int, v: int, tail: int) -> dict:
-    """Constexpr block sizes: value/tail channel blocks (powers of two >= 16, masked), head block."""
-    return dict(V=v, T=tail, BV=_pow2(v), BT=_pow2(tail), BH=min(64, _pow2(n)))
+CONFIGS = {
+    "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1),
+    "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1),
+    "dkv": dict(BH=32, BK=32, num_warps=8, num_stages=1),
+}
+"""Head block (capped at the head count), slot block, warps and stages per kernel (``dkv`` also
+serves the slot probabilities). Chosen for d_k = 576 bf16 on Hopper from ptxas reports (compiled
+for sm_90: register spills and shared memory within 228 KB); the bits of the results depend on
+BK and BH, so a fixed table (no autotuning) keeps runs reproducible across processes."""
 
 
-def _launch(dtype: torch.dtype) -> dict:
-    """Warps/stages and dot precision for the attention kernels."""
-    return dict(PREC="ieee" if dtype == torch.float32 else "tf32", num_warps=8, num_stages=1)
-
-
-_BK = 32
-"""Slots per block in the attention kernels."""
+def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
+    """Constexpr and launch arguments of ``kernel``: value/tail channel blocks (powers of two
+    >= 16, masked), head and slot blocks, dot precision (exact fp32 for fp32 inputs)."""
+    cfg = dict(CONFIGS[kernel])
+    cfg["BH"] = min(cfg["BH"], _pow2(n))
+    if dtype == torch.float32:  # fp32 dots run on CUDA cores: small tiles
+        cfg.update(BH=min(cfg["BH"], 16), BK=16)
+    return dict(cfg, V=v, T=tail, BV=_pow2(v), BT=_pow2(tail),
+                PREC="ieee" if dtype == torch.float32 else "tf32")
 
 
 class _SparseMLATriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
-                key_start: torch.Tensor | None, softmax_scale: float, v_channels: int
-                ) -> torch.Tensor:
+                key_start: torch.Tensor | None, softmax_scale: float, v_channels: int,
+                slot_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         s, b, n, d = query.shape
         w = topk_indices.size(-1)
-        blocks = _blocks(n, v_channels, d - v_channels)
         out = query.new_empty(s, b, n, v_channels)
         lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
         has_start = key_start is not None
         start = key_start if has_start else topk_indices
-        grid = (b * s, triton.cdiv(n, blocks["BH"]))
-        _fwd_kernel[grid](query, latent_kv, topk_indices, start, out, lse2, s, b, n, w,
-                          softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
-                          *topk_indices.stride()[:2], *out.stride()[:3], BK=_BK,
-                          HAS_KSTART=has_start, **blocks, **_launch(query.dtype))
+        meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
+        _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
+            query, latent_kv, topk_indices, start, out, lse2, s, b, n, w, softmax_scale * _LOG2E,
+            *query.stride()[:3], *latent_kv.stride()[:2], *topk_indices.stride()[:2],
+            *out.stride()[:3], HAS_KSTART=has_start, **meta)
+        probs = None
+        if slot_probs:
+            probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
+            meta = _meta("dkv", n, v_channels, d - v_channels, query.dtype)
+            _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
+                query, latent_kv, topk_indices, start, lse2, probs, s, b, n, w,
+                softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+                *topk_indices.stride()[:2], HAS_KSTART=has_start, **meta)
+            ctx.mark_non_differentiable(probs)
         ctx.save_for_backward(query, latent_kv, topk_indices, key_start, out, lse2)
         ctx.softmax_scale = softmax_scale
         ctx.v_channels = v_channels
-        return out
+        return out, probs
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN205
+    def backward(ctx, grad_out: torch.Tensor, _grad_probs: torch.Tensor | None):  # noqa: ANN205
         query, latent_kv, topk_indices, key_start, out, lse2 = ctx.saved_tensors
         scale, v = ctx.softmax_scale, ctx.v_channels
         s, b, n, d = query.shape
         w = topk_indices.size(-1)
-        blocks = _blocks(n, v, d - v)
-        launch = _launch(query.dtype)
         do = grad_out.contiguous()
         delta = (do.float() * out.float()).sum(-1)  # [s, b, n]
         has_start = key_start is not None
@@ -279,9 +324,10 @@ class _SparseMLATriton(torch.autograd.Function):
         common = (s, b, n, w, scale, scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
                   *topk_indices.stride()[:2], *do.stride()[:3])
         grad_query = torch.empty_like(query)
-        _dq_kernel[(b * s, triton.cdiv(n, blocks["BH"]))](
-            query, latent_kv, do, topk_indices, start, lse2, delta, grad_query, *common, BK=_BK,
-            HAS_KSTART=has_start, **blocks, **launch)
+        meta = _meta("dq", n, v, d - v, query.dtype)
+        _dq_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
+            query, latent_kv, do, topk_indices, start, lse2, delta, grad_query, *common,
+            HAS_KSTART=has_start, **meta)
 
         grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
         chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * 4)))
@@ -292,11 +338,12 @@ class _SparseMLATriton(torch.autograd.Function):
                   else torch.zeros_like(token))
         valid = (flat >= lowest[:, None]) & (flat <= (token % s)[:, None])
         flat_key = torch.where(valid, flat + (token // s * s)[:, None], b * s)
+        meta = _meta("dkv", n, v, d - v, query.dtype)
         for t0 in range(0, b * s, chunk):
             t1 = min(t0 + chunk, b * s)
-            _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, _BK))](
+            _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, meta["BK"]))](
                 query, latent_kv, do, topk_indices, start, lse2, delta, partial, t0, *common,
-                BK=_BK, HAS_KSTART=has_start, **blocks, **launch)
+                HAS_KSTART=has_start, **meta)
             # valid keys of tokens t0..t1-1 lie in [first key of t0's batch row, t1)
             key0 = t0 // s * s
             sorted_keys, order = torch.sort(flat_key[t0:t1].reshape(-1), stable=True)
@@ -305,18 +352,23 @@ class _SparseMLATriton(torch.autograd.Function):
             _dkv_reduce_kernel[(t1 - key0, triton.cdiv(d, 64))](
                 partial, order, segment, grad_kv, key0, d, BR=16, BD=64, num_warps=2)
         grad_kv = grad_kv.view(b, s, 1, d).transpose(0, 1).to(latent_kv.dtype)
-        return grad_query, grad_kv, None, None, None, None
+        return grad_query, grad_kv, None, None, None, None, None
 
 
 def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
                       softmax_scale: float, *, v_channels: int,
-                      key_start: torch.Tensor | None = None) -> torch.Tensor:
+                      key_start: torch.Tensor | None = None, return_slot_probs: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of ``query [s, b, n, d_k]`` over its selected latent keys (Triton).
 
     See the module docstring for layouts, masking and the unique-keys precondition. Returns
     ``[s, b, n, v_channels]`` in ``query.dtype``; differentiable in ``query`` and ``latent_kv``,
     deterministically. Any ``n``, ``W``, ``v_channels`` and tail width work (channel and head
     blocks are padded to powers of two >= 16 and masked).
+
+    With ``return_slot_probs`` also returns, without grad, the attention probability of each slot
+    summed over the heads, fp32 ``[b, s, W]`` (0 on ignored slots; each row sums to ``n``, or 0
+    for a query without a valid key): the target of the indexer's KL loss.
     """
     s, b, n, d = query.shape
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -334,7 +386,8 @@ def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices
         raise ValueError(f"key_start must be [{s}], got {list(key_start.shape)}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return _SparseMLATriton.apply(query.contiguous(), latent_kv.contiguous(),
-                                  topk_indices.contiguous(),
-                                  None if key_start is None else key_start.contiguous(),
-                                  softmax_scale, v_channels)
+    out, probs = _SparseMLATriton.apply(
+        query.contiguous(), latent_kv.contiguous(), topk_indices.contiguous(),
+        None if key_start is None else key_start.contiguous(), softmax_scale, v_channels,
+        return_slot_probs)
+    return (out, probs) if return_slot_probs else out
