@@ -180,7 +180,8 @@ def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int 
     key_start = None
     if thd:
         bounds = torch.tensor([0, s // 5, s // 2], device="cuda")
-        key_start = bounds[torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1]
+        doc = torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1
+        key_start = bounds[doc]
     topk = causal_topk(1, s, width, key_start, "cuda", seed)
     grad_out = torch.randn(s, 1, n, v, generator=gen, device="cuda").bfloat16()
     scale = d ** -0.5

@@ -1,4 +1,4 @@
-"""Deterministic Triton sparse absorbed-MLA attention (DeepSeek Sparse Attention), forward and backward.
+"""Deterministic Triton sparse absorbed-MLA attention (DeepSeek Sparse Attention), fwd and bwd.
 
 Same function as :func:`kpool_layers.sparse_attention.sparse_mla_attention`. Layouts:
   * ``query``        ``[s, b, n, d_k]`` absorbed queries, ``d_k = v_channels + tail`` (tail = rope
@@ -49,15 +49,21 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_value_rows(base, rows_offset, row_mask, V: tl.constexpr, BV: tl.constexpr):
+    """Rows ``base + rows_offset[r] + c`` for channels ``c < V``, ``[R, BV]``, masked as 0."""
+    cv = tl.arange(0, BV)
+    return tl.load(base + rows_offset[:, None] + cv[None, :],
+                   mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
+
+
+@triton.jit
 def _load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
                BV: tl.constexpr, BT: tl.constexpr):
     """Rows ``base + rows_offset[r] + c`` split into the value part ``[R, BV]`` and the tail part
     ``[R, BT]`` (channels ``V .. V+T-1``; a zero dummy when ``T == 0``), masked rows as 0."""
-    cv = tl.arange(0, BV)
-    ct = tl.arange(0, BT)
-    head = tl.load(base + rows_offset[:, None] + cv[None, :],
-                   mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
+    head = _load_value_rows(base, rows_offset, row_mask, V, BV)
     if T > 0:
+        ct = tl.arange(0, BT)
         tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
                        mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
     else:
@@ -147,7 +153,7 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
     q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-    do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
+    do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
     delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
     dq = tl.zeros([BH, BV], tl.float32)
@@ -165,7 +171,8 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
     cv = tl.arange(0, BV)
     ct = tl.arange(0, BT)
     base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
-    tl.store(base + cv[None, :], dq.to(DQ.dtype.element_ty), mask=hmask[:, None] & (cv[None, :] < V))
+    tl.store(base + cv[None, :], dq.to(DQ.dtype.element_ty),
+             mask=hmask[:, None] & (cv[None, :] < V))
     tl.store(base + V + ct[None, :], dqt.to(DQ.dtype.element_ty),
              mask=hmask[:, None] & (ct[None, :] < T))
 
@@ -190,7 +197,7 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W
             heads = h0 + tl.arange(0, BH)
             hmask = heads < N
             q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-            do = _load_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, 0, BV, BT)[0]
+            do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
             lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
             delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
             # transposed [BK, BH] scores, so that every product has the slots as rows
@@ -216,7 +223,7 @@ def _slot_probs_kernel(Q, KV, IDX, KSTART, LSE, PROBS, S, B, N, W, scale_log2,
                        V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                        BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
                        PREC: tl.constexpr):
-    """``PROBS[b, i, slot] = sum_h P[h, slot]`` from the final ``LSE``; grid (tokens, slot blocks)."""
+    """``PROBS[b, i, slot] = sum_h P[h, slot]`` from the final ``LSE``; grid (tokens, slots)."""
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S

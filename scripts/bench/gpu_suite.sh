@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the benchmarks recorded in docs/benchmarks.md on one GPU machine.
-#   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]   parts: tests attention kpool train (default all)
+#   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]   parts: tests attention kpool train (default)
+#   and smla (Triton sparse-MLA check/timing/sweep, on request)
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -25,6 +26,8 @@ for part in $parts; do
     tests) run gpu_tests 240 "$py" -m pytest -q -m gpu tests/ -p no:cacheprovider ;;
     attention) run bench_attention 300 "$py" scripts/bench/attention.py --out "$out/attention.json" ;;
     kpool) run bench_kpool 300 "$py" scripts/bench/kpool.py --out "$out/kpool.json" ;;
+    smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
+            --out "$out/sparse_mla_triton.json" ;;
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;

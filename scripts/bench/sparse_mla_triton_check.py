@@ -7,13 +7,20 @@
 2. Determinism: two Triton runs bit-identical (out, dq, dkv).
 3. Timing (``triton.testing.do_bench`` median) of forward and forward+backward at each ``--sizes``
    (n=64, W=2048, GLM-5 dims) for Triton and the torch path, with useful TFLOP/s
-   (forward ``2*s*W*n*(d_k+v)``, backward twice that) and extra peak memory; plus a per-kernel
-   CUDA time breakdown of one Triton forward+backward (torch profiler).
+   (forward ``2*s*W*n*(d_k+v)``, backward twice that) and extra peak memory, and the Triton
+   forward with the slot probabilities; plus a per-kernel CUDA time breakdown of one Triton
+   forward+backward (torch profiler).
+4. Block-size sweep (unless ``--no-sweep``) at the first size: each kernel's alternatives of
+   ``SWEEP`` in turn (the others at their defaults), timing forward (``fwd`` kernel) or
+   forward+backward (``dq``, ``dkv``), with the relative difference of the results from the
+   default table's (a wrong variant shows there; bits differ anyway, as BK and BH fix the
+   summation order).
 
 Top-k indices: per query, W distinct random keys of its causal prefix (fewer early on, padded with
 -1), so the first W queries have empty slots, as from the indexer.
 
     python scripts/bench/sparse_mla_triton_check.py --out runs/sparse_mla_triton.json
+    python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --no-torch --out /tmp/x.json
 Works with torch >= 2.4 and triton >= 3.0 (uses only ``do_bench(..., return_mode="median")``).
 """
 
@@ -26,10 +33,19 @@ from typing import Callable
 import torch
 from triton.testing import do_bench
 
+from kpool_layers.kernels import sparse_mla_triton as smla
 from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 from kpool_layers.sparse_attention import sparse_mla_attention
 
 TORCH_CHUNK = 512
+SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, st in variants]
+         for kernel, variants in {
+             "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 32, 4, 1),
+                     (16, 32, 4, 2)],
+             "dq": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (32, 16, 4, 2)],
+             "dkv": [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 2), (64, 32, 8, 1)],
+         }.items()}
+"""Alternatives to ``smla.CONFIGS`` tried by the sweep."""
 
 
 def causal_topk(s: int, width: int, key_start: torch.Tensor | None, seed: int) -> torch.Tensor:
@@ -56,7 +72,8 @@ def inputs(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int = 0)
     key_start = None
     if thd:  # documents [0, s/5), [s/5, s/2), [s/2, s)
         bounds = torch.tensor([0, s // 5, s // 2], device="cuda")
-        key_start = bounds[torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1]
+        doc = torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1
+        key_start = bounds[doc]
     return dict(
         query=torch.randn(s, 1, n, d, generator=gen, device="cuda").bfloat16().requires_grad_(),
         latent_kv=torch.randn(s, 1, 1, d, generator=gen, device="cuda").bfloat16().requires_grad_(),
@@ -112,14 +129,22 @@ def bench(fn: Callable[[], object]) -> tuple[float, float]:
     return do_bench(fn, warmup=50, rep=300, return_mode="median"), peak
 
 
+def with_probs(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_triton(x["query"], x["latent_kv"], x["topk_indices"], x["softmax_scale"],
+                             v_channels=x["v_channels"], key_start=x["key_start"],
+                             return_slot_probs=True)
+
+
 def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list[dict]:
     x = inputs(s, n, d, v, width, thd=False, seed=1)
     flops_fwd = 2 * s * width * n * (d + v)
     rows = []
     for path in paths:
-        for stage, fn, flops in (
-                ("fwd", lambda: attention(path, x, x["query"], x["latent_kv"]), flops_fwd),
-                ("fwd+bwd", lambda: forward_backward(path, x), 3 * flops_fwd)):
+        stages = [("fwd", lambda: attention(path, x, x["query"], x["latent_kv"]), flops_fwd),
+                  ("fwd+bwd", lambda: forward_backward(path, x), 3 * flops_fwd)]
+        if path == "triton":
+            stages.append(("fwd+probs", lambda: with_probs(x), flops_fwd))
+        for stage, fn, flops in stages:
             try:
                 ms, peak = bench(fn)
             except torch.cuda.OutOfMemoryError:
@@ -127,6 +152,33 @@ def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list
                 continue
             rows.append(dict(path=path, stage=stage, s=s, n=n, W=width, ms=ms,
                              tflops=flops / ms / 1e9, peak_gib=peak))
+    return rows
+
+
+def sweep(s: int, n: int, d: int, v: int, width: int) -> list[dict]:
+    """Each alternative of ``SWEEP`` against the default table (see the module docstring)."""
+    x = inputs(s, n, d, v, width, thd=False, seed=3)
+    default = dict(smla.CONFIGS)
+    ref = forward_backward("triton", x)
+    rows = []
+    for kernel, variants in SWEEP.items():
+        for cfg in [default[kernel], *variants]:
+            smla.CONFIGS[kernel] = cfg
+            row = dict(kernel=kernel, **cfg)
+            try:
+                got = forward_backward("triton", x)
+                row["rel_diff"] = max(((g.float() - r.float()).norm() / r.float().norm()).item()
+                                      for g, r in zip(got, ref))
+                if kernel == "fwd":
+                    row["ms_fwd"] = do_bench(
+                        lambda: attention("triton", x, x["query"], x["latent_kv"]), warmup=25,
+                        rep=100, return_mode="median")
+                row["ms_fwd_bwd"] = do_bench(lambda: forward_backward("triton", x), warmup=25,
+                                             rep=100, return_mode="median")
+            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            rows.append(row)
+        smla.CONFIGS[kernel] = default[kernel]
     return rows
 
 
@@ -154,6 +206,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--no-torch", action="store_true", help="time only the Triton path")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
@@ -169,18 +222,31 @@ def main() -> None:
     report["kernels_ms"] = kernel_breakdown(args.sizes[0], args.heads, 576, 512, args.width)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
+    if not args.no_sweep:
+        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nsweep (s={args.sizes[0]}; first row per kernel = default)")
+        for r in report["sweep"]:
+            cfg = (f"{r['kernel']:<4} BH={r['BH']:<3} BK={r['BK']:<3} w={r['num_warps']} "
+                   f"st={r['num_stages']}")
+            if "error" in r:
+                print(f"{cfg}  {r['error'][:80]}")
+            else:
+                print(f"{cfg}  fwd {r.get('ms_fwd', float('nan')):7.2f} ms  fwd+bwd "
+                      f"{r['ms_fwd_bwd']:7.2f} ms  rel diff {r['rel_diff']:.1e}")
     print(f"\nkernels (s={args.sizes[0]}, ms): {report['kernels_ms']}")
     print("\ncheck       ok    det   err out / dq / dkv (torch bf16 path)")
     for r in report["checks"]:
         print(f"{r['case']:<10} {r['ok']!s:<5} {r['deterministic']!s:<5} "
               + " / ".join(f"{r['err_' + t]:.2e} ({r['torch_bf16_err_' + t]:.2e})"
                            for t in ("out", "dq", "dkv")))
-    print("\npath    stage      s      ms       TFLOP/s  peak GiB")
+    print("\npath    stage          s       ms   TFLOP/s  peak GiB")
     for r in report["timing"]:
         if r.get("oom"):
-            print(f"{r['path']:<7} {r['stage']:<8} {r['s']:>6}  OOM")
+            print(f"{r['path']:<7} {r['stage']:<9} {r['s']:>6}  OOM")
         else:
-            print(f"{r['path']:<7} {r['stage']:<8} {r['s']:>6} {r['ms']:8.2f} {r['tflops']:9.1f} "
+            print(f"{r['path']:<7} {r['stage']:<9} {r['s']:>6} {r['ms']:8.2f} {r['tflops']:9.1f} "
                   f"{r['peak_gib']:9.2f}")
 
 
