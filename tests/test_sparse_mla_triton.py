@@ -101,13 +101,13 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
 
 CASES = {
     # name: (s, b, n, d_k, v, W, dtype, options)
-    "fp32_rope": (24, 2, 3, 48, 32, 12, "float32", {}),
+    "fp32_rope": (20, 2, 3, 48, 32, 12, "float32", {}),
     "fp16_rope": (24, 2, 3, 48, 32, 12, "float16", {}),
     "fp32_nope_one_head": (20, 1, 1, 32, 32, 9, "float32", {}),
     "fp16_nope_five_heads": (20, 1, 5, 32, 32, 9, "float16", {}),
     "fp32_thd_empty_rows": (30, 1, 2, 48, 32, 10, "float32", {"thd": True, "empty_rows": (4, 17)}),
-    "fp16_wide_multichunk": (40, 2, 17, 48, 32, 37, "float16",
-                             {"partial_rows": 3, "empty_rows": (0, 9)}),
+    "fp16_wide_multichunk": (34, 2, 5, 48, 32, 33, "float16",
+                             {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
     "fp32_two_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),
 }

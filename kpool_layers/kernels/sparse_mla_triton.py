@@ -339,21 +339,22 @@ class _SparseMLATriton(torch.autograd.Function):
         grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
         chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * 4)))
         partial = torch.empty(chunk, w, d, dtype=torch.float32, device=query.device)
-        flat = topk_indices.to(torch.int64).reshape(b * s, w)
-        token = torch.arange(b * s, device=query.device)
-        lowest = (key_start.to(torch.int64)[token % s] if has_start
-                  else torch.zeros_like(token))
-        valid = (flat >= lowest[:, None]) & (flat <= (token % s)[:, None])
-        flat_key = torch.where(valid, flat + (token // s * s)[:, None], b * s)
+        flat = topk_indices.reshape(b * s, w)
         meta = _meta("dkv", n, v, d - v, query.dtype)
         for t0 in range(0, b * s, chunk):
             t1 = min(t0 + chunk, b * s)
             _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, meta["BK"]))](
                 query, latent_kv, do, topk_indices, start, lse2, delta, partial, t0, *common,
                 HAS_KSTART=has_start, **meta)
-            # valid keys of tokens t0..t1-1 lie in [first key of t0's batch row, t1)
+            # flat key ids (batch * s + key) of the chunk's valid slots, invalid -> b * s (last);
+            # they lie in [first key of t0's batch row, t1)
+            token = torch.arange(t0, t1, device=query.device)
+            lowest = key_start[token % s] if has_start else torch.zeros_like(token)
+            keys = flat[t0:t1].to(torch.int64)
+            valid = (keys >= lowest[:, None]) & (keys <= (token % s)[:, None])
+            flat_key = torch.where(valid, keys + (token // s * s)[:, None], b * s)
             key0 = t0 // s * s
-            sorted_keys, order = torch.sort(flat_key[t0:t1].reshape(-1), stable=True)
+            sorted_keys, order = torch.sort(flat_key.reshape(-1), stable=True)
             segment = torch.searchsorted(
                 sorted_keys, torch.arange(key0, t1 + 1, device=query.device))
             _dkv_reduce_kernel[(t1 - key0, triton.cdiv(d, 64))](
