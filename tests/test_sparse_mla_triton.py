@@ -202,10 +202,9 @@ def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int 
 
 @pytest.mark.gpu
 class TestGPU:
-    @pytest.mark.parametrize("shape", [
+    @pytest.mark.parametrize("shape", [  # two shapes only: each compiles its own kernels
         (2048, 64, 576, 512, 2048, False),  # GLM-5
-        (1024, 16, 576, 512, 256, True),  # GLM-5, fewer heads, packed documents
-        (1536, 20, 512, 512, 512, True),  # NoPE (GLM-5.3-Flash), odd head count
+        (1024, 20, 512, 512, 256, True),  # NoPE (GLM-5.3-Flash), odd head count, packed documents
     ])
     def test_bf16_matches_fp32_reference_and_is_deterministic(self, shape: tuple) -> None:
         errors, deterministic = gpu_errors(*shape)

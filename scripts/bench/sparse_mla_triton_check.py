@@ -40,7 +40,7 @@ from kpool_layers.sparse_attention import sparse_mla_attention
 TORCH_CHUNK = 512
 SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, st in variants]
          for kernel, variants in {
-             "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 32, 4, 1),
+             "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 1),
                      (16, 32, 4, 2)],
              "dq": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (32, 16, 4, 2)],
              "dkv": [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 2), (64, 32, 8, 1)],
