@@ -24,14 +24,19 @@ Kernels (one program per token ``t = batch * s + i``):
      channels)``, summing the heads in a fixed order;
   5. deterministic segmented reduction: the chunk's flat key ids are stably sorted (invalid slots
      last), and one program per key adds its rows, in query order, into the fp32 ``dKV`` row it
-     alone owns; chunks run in order.
+     alone owns; chunks run in order;
+  6. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
+     slot from the final lse, summed over heads in a fixed order.
+Blocks of slots that are all invalid are skipped (early queries of a causal top-k).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
 ``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` fp32 partial buffer of at most
 ``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``).
 
 Numerics: fp32 softmax, lse and accumulation; bf16/fp16 inputs take tensor-core dots on bf16/fp16
 operands (P and dS rounded to the input dtype before their products, as in the reference); fp32
-inputs use exact fp32 dots (``input_precision="ieee"``, no tf32).
+inputs use exact fp32 dots (``input_precision="ieee"``, no tf32; on a GPU these run on CUDA
+cores, slowly: meant for tests). Under ``TRITON_INTERPRET=1`` (CPU) only fp32 and fp16 are right,
+since the interpreter's bf16 ``tl.dot`` is wrong.
 """
 
 from __future__ import annotations
@@ -272,8 +277,9 @@ CONFIGS = {
 }
 """Head block (capped at the head count), slot block, warps and stages per kernel (``dkv`` also
 serves the slot probabilities). Chosen for d_k = 576 bf16 on Hopper from ptxas reports (compiled
-for sm_90: register spills and shared memory within 228 KB); the bits of the results depend on
-BK and BH, so a fixed table (no autotuning) keeps runs reproducible across processes."""
+for sm_90: few register spills, shared memory under the 227 KiB per block at d_k 576 and 512);
+the bits of the results depend on BK and BH, so a fixed table (no autotuning) keeps runs
+reproducible across processes."""
 
 
 def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
