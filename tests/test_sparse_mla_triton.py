@@ -20,6 +20,8 @@ import torch
 
 from kpool_layers.sparse_attention import sparse_mla_attention
 
+pytest.importorskip("triton")
+
 # Tolerances on ||got - ref|| / ||ref||. fp32: both paths do exact fp32 arithmetic in different
 # summation orders over <= 48 terms, so ~sqrt(48) * 2^-24 ~ 1e-6; bound 1e-5. fp16: both round the
 # operands identically, but P and dS are rounded to fp16 (unit roundoff 2^-11 = 4.9e-4) from fp32
@@ -109,7 +111,7 @@ CASES = {
     "fp16_wide_multichunk": (34, 2, 5, 48, 32, 33, "float16",
                              {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
-    "fp32_two_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),
+    "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
 }
 
 
@@ -136,7 +138,6 @@ def test_deterministic_cpu(cpu_report: dict) -> None:
 
 
 def test_rejects_bad_shapes() -> None:
-    pytest.importorskip("triton")
     from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
     query = torch.zeros(4, 1, 2, 48)
