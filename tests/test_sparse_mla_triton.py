@@ -81,7 +81,7 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
 
     try:
         if partial_rows:  # several query chunks in the key-gradient reduction
-            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * 4
+            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
         got, again = triton_run(), triton_run()
     finally:
         smla.PARTIAL_BUFFER_BYTES = budget

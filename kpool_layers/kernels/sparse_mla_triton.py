@@ -29,8 +29,10 @@ Kernels (one program per token ``t = batch * s + i``):
      slot from the final lse, summed over heads in a fixed order.
 Blocks of slots that are all invalid are skipped (early queries of a causal top-k).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
-``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` fp32 partial buffer of at most
-``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``).
+``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
+``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``). The partial rows are stored in the input dtype (like
+the reference's per-slot key gradients, which its bf16/fp16 matmuls return rounded), halving
+their memory traffic for bf16/fp16; the reduction adds them in fp32.
 
 Numerics: fp32 softmax, lse and accumulation; bf16/fp16 inputs take tensor-core dots on bf16/fp16
 operands (P and dS rounded to the input dtype before their products, as in the reference); fp32
@@ -48,7 +50,7 @@ import triton
 import triton.language as tl
 
 PARTIAL_BUFFER_BYTES = 1 << 30
-"""Upper bound of the fp32 dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
+"""Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
 
 _LOG2E = 1.4426950408889634
 
@@ -218,8 +220,9 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W
         ct = tl.arange(0, BT)
         base = PART + (row * W + slots[:, None]) * (V + T)
         smask = slots[:, None] < W
-        tl.store(base + cv[None, :], dk, mask=smask & (cv[None, :] < V))
-        tl.store(base + V + ct[None, :], dkt, mask=smask & (ct[None, :] < T))
+        tl.store(base + cv[None, :], dk.to(PART.dtype.element_ty), mask=smask & (cv[None, :] < V))
+        tl.store(base + V + ct[None, :], dkt.to(PART.dtype.element_ty),
+                 mask=smask & (ct[None, :] < T))
 
 
 @triton.jit
@@ -260,8 +263,9 @@ def _dkv_reduce_kernel(PART, ORDER, SEGMENT, DKV, key0, D, BR: tl.constexpr, BD:
         rows = r0 + tl.arange(0, BR)
         rmask = rows < end
         src = tl.load(ORDER + rows, mask=rmask, other=0)
-        acc += tl.sum(tl.load(PART + src[:, None] * D + c[None, :],
-                              mask=rmask[:, None] & cmask[None, :], other=0.0), 0)
+        rows_in = tl.load(PART + src[:, None] * D + c[None, :],
+                          mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(rows_in.to(tl.float32), 0)
     dst = DKV + (key0 + pid).to(tl.int64) * D + c
     tl.store(dst, tl.load(dst, mask=cmask) + acc, mask=cmask)
 
@@ -343,8 +347,8 @@ class _SparseMLATriton(torch.autograd.Function):
             HAS_KSTART=has_start, **meta)
 
         grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
-        chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * 4)))
-        partial = torch.empty(chunk, w, d, dtype=torch.float32, device=query.device)
+        chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * query.element_size())))
+        partial = torch.empty(chunk, w, d, dtype=query.dtype, device=query.device)
         flat = topk_indices.reshape(b * s, w)
         meta = _meta("dkv", n, v, d - v, query.dtype)
         for t0 in range(0, b * s, chunk):
