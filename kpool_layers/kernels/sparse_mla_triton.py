@@ -16,16 +16,15 @@ Kernels (one program per token ``t = batch * s + i``):
   1. forward, grid ``(b*s, head blocks)``: loop over slot blocks, gather the selected key rows,
      online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s, b, n]`` (log2 units,
      ``+inf`` for an empty row so that recomputed probabilities are 0);
-  2. ``delta = rowsum(dO * O)`` in torch;
-  3. dQ, grid ``(b*s, head blocks)``: recompute ``P``, ``dS = P (dO V^T - delta) scale``,
-     ``dQ = dS K``;
-  4. per query chunk, dKV partials, grid ``(chunk tokens, slot blocks)``: one program owns the rows
+  2. dQ, grid ``(b*s, head blocks)``: ``delta = rowsum(dO * O)`` (fp32, stored for step 3),
+     recompute ``P``, ``dS = P (dO V^T - delta) scale``, ``dQ = dS K``;
+  3. per query chunk, dKV partials, grid ``(chunk tokens, slot blocks)``: one program owns the rows
      ``partial[t, slot, :] = sum_h dS[t,h,slot] Q[t,h,:] (+ P[t,h,slot] dO[t,h,:] on the value
      channels)``, summing the heads in a fixed order;
-  5. deterministic segmented reduction: the chunk's flat key ids are stably sorted (invalid slots
+  4. deterministic segmented reduction: the chunk's flat key ids are stably sorted (invalid slots
      last), and one program per key adds its rows, in query order, into the fp32 ``dKV`` row it
      alone owns; chunks run in order;
-  6. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
+  5. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
      slot from the final lse, summed over heads in a fixed order.
 Blocks of slots that are all invalid are skipped (early queries of a causal top-k).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
@@ -150,8 +149,8 @@ def _dscores(p, do, k, delta, scale, PREC: tl.constexpr):
 
 
 @triton.jit
-def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
-               sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
+def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
+               sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, so_s, so_b, so_h,
                V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -162,7 +161,10 @@ def _dq_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_
     q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
     do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
-    delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
+    # delta = rowsum(dO * O), also kept for the dKV kernel
+    o = _load_value_rows(O + i * so_s + bi * so_b, heads * so_h, hmask, V, BV)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + (i * B + bi) * N + heads, delta, mask=hmask)
     dq = tl.zeros([BH, BV], tl.float32)
     dqt = tl.zeros([BH, BT], tl.float32)
     for k0 in range(0, W, BK):
@@ -335,7 +337,7 @@ class _SparseMLATriton(torch.autograd.Function):
         s, b, n, d = query.shape
         w = topk_indices.size(-1)
         do = grad_out.contiguous()
-        delta = (do.float() * out.float()).sum(-1)  # [s, b, n]
+        delta = torch.empty(s, b, n, dtype=torch.float32, device=query.device)  # by the dQ kernel
         has_start = key_start is not None
         start = key_start if has_start else topk_indices
         common = (s, b, n, w, scale, scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
@@ -343,8 +345,8 @@ class _SparseMLATriton(torch.autograd.Function):
         grad_query = torch.empty_like(query)
         meta = _meta("dq", n, v, d - v, query.dtype)
         _dq_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
-            query, latent_kv, do, topk_indices, start, lse2, delta, grad_query, *common,
-            HAS_KSTART=has_start, **meta)
+            query, latent_kv, do, out, topk_indices, start, lse2, delta, grad_query, *common,
+            *out.stride()[:3], HAS_KSTART=has_start, **meta)
 
         grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
         chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * query.element_size())))
