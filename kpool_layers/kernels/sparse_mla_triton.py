@@ -26,7 +26,8 @@ Kernels (one program per token ``t = batch * s + i``):
      alone owns; chunks run in order;
   5. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
      slot from the final lse, summed over heads in a fixed order.
-Blocks of slots that are all invalid are skipped (early queries of a causal top-k).
+Blocks of slots that are all invalid are skipped (early queries of a causal top-k; in the forward
+and dQ loops as ``CONFIGS`` says).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
 ``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
 ``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``). The partial rows are stored in the input dtype (like
@@ -99,10 +100,27 @@ def _scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
+              T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """One slot block of the online softmax: updated ``(m, l, acc)`` (base-2 running max)."""
+    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
+    sc = tl.where(valid[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
+    p = tl.exp2(sc - m_ref[:, None])
+    alpha = tl.exp2(m - m_ref)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
                 sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, so_s, so_b, so_h,
                 V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
+                SKIP_EMPTY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
@@ -115,17 +133,13 @@ def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
     for k0 in range(0, W, BK):
         keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
                                       HAS_KSTART)
-        if tl.max(valid.to(tl.int32), 0) > 0:  # skip blocks of empty slots
-            k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-            sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
-            sc = tl.where(valid[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
-            p = tl.exp2(sc - m_ref[:, None])
-            alpha = tl.exp2(m - m_ref)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-            m = m_new
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
+                                      scale_log2, V, T, BV, BT, PREC)
+        else:
+            m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
+                                  scale_log2, V, T, BV, BT, PREC)
     nonempty = l > 0.0
     out = acc / tl.where(nonempty, l, 1.0)[:, None]
     cv = tl.arange(0, BV)
@@ -149,10 +163,25 @@ def _dscores(p, do, k, delta, scale, PREC: tl.constexpr):
 
 
 @triton.jit
+def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale, scale_log2,
+             V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+             PREC: tl.constexpr):
+    """One slot block of ``dQ += dS K``: updated ``(dq, dqt)``."""
+    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
+    ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
+    dq += tl.dot(ds, k, input_precision=PREC)
+    if T > 0:
+        dqt += tl.dot(ds, kt, input_precision=PREC)
+    return dq, dqt
+
+
+@triton.jit
 def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
                sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, so_s, so_b, so_h,
                V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr):
+               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
+               SKIP_EMPTY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
@@ -170,13 +199,13 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, sca
     for k0 in range(0, W, BK):
         keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
                                       HAS_KSTART)
-        if tl.max(valid.to(tl.int32), 0) > 0:
-            k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-            p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
-            ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
-            dq += tl.dot(ds, k, input_precision=PREC)
-            if T > 0:
-                dqt += tl.dot(ds, kt, input_precision=PREC)
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
+                                   dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
+        else:
+            dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
+                               dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
     cv = tl.arange(0, BV)
     ct = tl.arange(0, BT)
     base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
@@ -277,15 +306,16 @@ def _pow2(x: int) -> int:
 
 
 CONFIGS = {
-    "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1),
-    "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1),
+    "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
+    "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
     "dkv": dict(BH=32, BK=32, num_warps=8, num_stages=1),
 }
 """Head block (capped at the head count), slot block, warps and stages per kernel (``dkv`` also
-serves the slot probabilities). Chosen for d_k = 576 bf16 on Hopper from ptxas reports (compiled
-for sm_90: few register spills, shared memory under the 227 KiB per block at d_k 576 and 512);
-the bits of the results depend on BK and BH, so a fixed table (no autotuning) keeps runs
-reproducible across processes."""
+serves the slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot blocks in the
+slot loops (saves their work; may keep the loop's loads from being software-pipelined). Chosen
+for d_k = 576 bf16 on Hopper from ptxas reports (compiled for sm_90: few register spills, shared
+memory under the 227 KiB per block at d_k 576 and 512); the bits of the results depend on BK and
+BH, so a fixed table (no autotuning) keeps runs reproducible across processes."""
 
 
 def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:

@@ -47,7 +47,9 @@ SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, 
              "dq": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (32, 16, 4, 2)],
              "dkv": [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 2), (64, 32, 8, 1)],
          }.items()}
-"""Alternatives to ``smla.CONFIGS`` tried by the sweep."""
+SWEEP["fwd"].append(dict(SKIP_EMPTY=False, num_stages=2))
+SWEEP["dq"].append(dict(SKIP_EMPTY=False, num_stages=2))
+"""Alternatives to ``smla.CONFIGS`` tried by the sweep (each updates the kernel's default)."""
 
 
 def causal_topk(s: int, width: int, key_start: torch.Tensor | None, seed: int) -> torch.Tensor:
@@ -164,7 +166,8 @@ def sweep(s: int, n: int, d: int, v: int, width: int) -> list[dict]:
     ref = forward_backward("triton", x)
     rows = []
     for kernel, variants in SWEEP.items():
-        for cfg in [default[kernel], *variants]:
+        for variant in [{}, *variants]:
+            cfg = {**default[kernel], **variant}
             smla.CONFIGS[kernel] = cfg
             row = dict(kernel=kernel, **cfg)
             try:
@@ -231,7 +234,7 @@ def main() -> None:
         print(f"\nsweep (s={args.sizes[0]}; first row per kernel = default)")
         for r in report["sweep"]:
             cfg = (f"{r['kernel']:<4} BH={r['BH']:<3} BK={r['BK']:<3} w={r['num_warps']} "
-                   f"st={r['num_stages']}")
+                   f"st={r['num_stages']} skip={r.get('SKIP_EMPTY', '-')!s:<5}")
             if "error" in r:
                 print(f"{cfg}  {r['error'][:80]}")
             else:
