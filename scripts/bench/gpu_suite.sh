@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs the GPU tests and the benchmarks recorded in docs/benchmarks.md on one GPU machine.
 #   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]
-#   parts: tests attention kpool moe proxy train (default all); attention = both shapes, every
+#   parts: tests attention kpool moe proxy train (default all), smla (Triton sparse-MLA check,
+#   timing, block-size sweep; on request); attention = both shapes, every
 #   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and serving_match
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
@@ -37,6 +38,8 @@ for part in $parts; do
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;
+    smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
+            --out "$out/sparse_mla_triton.json" ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

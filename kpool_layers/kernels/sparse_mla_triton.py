@@ -1,0 +1,443 @@
+"""Deterministic Triton sparse absorbed-MLA attention (DeepSeek Sparse Attention), fwd and bwd.
+
+Same function as :func:`kpool_layers.sparse_attention.sparse_mla_attention`. Layouts:
+  * ``query``        ``[s, b, n, d_k]`` absorbed queries, ``d_k = v_channels + tail`` (tail = rope
+    dim, 0 without rope);
+  * ``latent_kv``    ``[s, b, 1, d_k]`` latent keys, whose first ``v_channels`` are the value;
+  * ``topk_indices`` int32/int64 ``[b, s, W]`` key positions in the batch row, ``-1`` = empty slot;
+  * ``key_start``    int64 ``[s]`` first key each query may see (packed THD documents) or None (0);
+  * output           ``[s, b, n, v_channels]`` in ``query.dtype``.
+
+A slot counts only if ``key_start[i] <= key <= i``; other slots are ignored, and a query without
+a valid slot gets zero output and zero gradients. Precondition: the valid keys of one row are
+unique (the indexer's top-k guarantees it); unlike the reference, duplicates are not dropped.
+
+Kernels (one program per token ``t = batch * s + i``):
+  1. forward, grid ``(b*s, head blocks)``: loop over slot blocks, gather the selected key rows,
+     online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s, b, n]`` (log2 units,
+     ``+inf`` for an empty row so that recomputed probabilities are 0);
+  2. dQ, grid ``(b*s, head blocks)``: ``delta = rowsum(dO * O)`` (fp32, stored for step 3),
+     recompute ``P``, ``dS = P (dO V^T - delta) scale``, ``dQ = dS K``;
+  3. per query chunk, dKV partials, grid ``(chunk tokens, slot blocks)``: one program owns the rows
+     ``partial[t, slot, :] = sum_h dS[t,h,slot] Q[t,h,:] (+ P[t,h,slot] dO[t,h,:] on the value
+     channels)``, summing the heads in a fixed order;
+  4. deterministic segmented reduction: the chunk's flat key ids are stably sorted (invalid slots
+     last), and one program per key adds its rows, in query order, into the fp32 ``dKV`` row it
+     alone owns; chunks run in order;
+  5. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
+     slot from the final lse, summed over heads in a fixed order.
+Blocks of slots that are all invalid are skipped (early queries of a causal top-k; in the forward
+and dQ loops as ``CONFIGS`` says).
+No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
+``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
+``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``). The partial rows are stored in the input dtype (like
+the reference's per-slot key gradients, which its bf16/fp16 matmuls return rounded), halving
+their memory traffic for bf16/fp16; the reduction adds them in fp32.
+
+Numerics: fp32 softmax, lse and accumulation; bf16/fp16 inputs take tensor-core dots on bf16/fp16
+operands (P and dS rounded to the input dtype before their products, as in the reference); fp32
+inputs use exact fp32 dots (``input_precision="ieee"``, no tf32; on a GPU these run on CUDA
+cores, slowly: meant for tests). Under ``TRITON_INTERPRET=1`` (CPU) only fp32 and fp16 are right,
+since the interpreter's bf16 ``tl.dot`` is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+PARTIAL_BUFFER_BYTES = 1 << 30
+"""Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _load_value_rows(base, rows_offset, row_mask, V: tl.constexpr, BV: tl.constexpr):
+    """Rows ``base + rows_offset[r] + c`` for channels ``c < V``, ``[R, BV]``, masked as 0."""
+    cv = tl.arange(0, BV)
+    return tl.load(base + rows_offset[:, None] + cv[None, :],
+                   mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
+
+
+@triton.jit
+def _load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
+               BV: tl.constexpr, BT: tl.constexpr):
+    """Rows ``base + rows_offset[r] + c`` split into the value part ``[R, BV]`` and the tail part
+    ``[R, BT]`` (channels ``V .. V+T-1``; a zero dummy when ``T == 0``), masked rows as 0."""
+    head = _load_value_rows(base, rows_offset, row_mask, V, BV)
+    if T > 0:
+        ct = tl.arange(0, BT)
+        tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
+                       mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
+    else:
+        tail = tl.zeros((rows_offset.shape[0], BT), base.dtype.element_ty)
+    return head, tail
+
+
+@triton.jit
+def _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr):
+    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query ``(bi, i)``."""
+    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
+    if HAS_KSTART:
+        lowest = tl.load(KSTART + i).to(tl.int64)
+    else:
+        lowest = 0
+    valid = (keys >= lowest) & (keys <= i) & (slots < W)
+    return tl.where(valid, keys, 0), valid
+
+
+@triton.jit
+def _scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
+    """``q k^T`` over the value and tail channels, fp32 ``[rows of q, rows of k]``."""
+    sc = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if T > 0:
+        sc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
+    return sc
+
+
+@triton.jit
+def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
+              T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """One slot block of the online softmax: updated ``(m, l, acc)`` (base-2 running max)."""
+    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
+    sc = tl.where(valid[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
+    p = tl.exp2(sc - m_ref[:, None])
+    alpha = tl.exp2(m - m_ref)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
+                sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, so_s, so_b, so_h,
+                V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
+                SKIP_EMPTY: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    bi = t // S
+    i = t % S
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < N
+    q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    acc = tl.zeros([BH, BV], tl.float32)
+    for k0 in range(0, W, BK):
+        keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
+                                      HAS_KSTART)
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
+                                      scale_log2, V, T, BV, BT, PREC)
+        else:
+            m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
+                                  scale_log2, V, T, BV, BT, PREC)
+    nonempty = l > 0.0
+    out = acc / tl.where(nonempty, l, 1.0)[:, None]
+    cv = tl.arange(0, BV)
+    tl.store(O + i * so_s + bi * so_b + heads[:, None] * so_h + cv[None, :],
+             out.to(O.dtype.element_ty), mask=hmask[:, None] & (cv[None, :] < V))
+    lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("inf"))
+    tl.store(LSE + (i * B + bi) * N + heads, lse2, mask=hmask)
+
+
+@triton.jit
+def _probs(q, qt, k, kt, valid, lse2, scale_log2, T: tl.constexpr, PREC: tl.constexpr):
+    """Recomputed probabilities ``P``, fp32 ``[BH, BK]`` (0 on invalid slots and empty rows)."""
+    p = tl.exp2(_scores(q, qt, k, kt, T, PREC) * scale_log2 - lse2[:, None])
+    return tl.where(valid[None, :], p, 0.0)
+
+
+@triton.jit
+def _dscores(p, do, k, delta, scale, PREC: tl.constexpr):
+    """``dS = P (dO V^T - delta) scale``, fp32 ``[BH, BK]``."""
+    return p * (tl.dot(do, tl.trans(k), input_precision=PREC) - delta[:, None]) * scale
+
+
+@triton.jit
+def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale, scale_log2,
+             V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+             PREC: tl.constexpr):
+    """One slot block of ``dQ += dS K``: updated ``(dq, dqt)``."""
+    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
+    ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
+    dq += tl.dot(ds, k, input_precision=PREC)
+    if T > 0:
+        dqt += tl.dot(ds, kt, input_precision=PREC)
+    return dq, dqt
+
+
+@triton.jit
+def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
+               sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, so_s, so_b, so_h,
+               V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
+               SKIP_EMPTY: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    bi = t // S
+    i = t % S
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < N
+    q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+    do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
+    lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
+    # delta = rowsum(dO * O), also kept for the dKV kernel
+    o = _load_value_rows(O + i * so_s + bi * so_b, heads * so_h, hmask, V, BV)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + (i * B + bi) * N + heads, delta, mask=hmask)
+    dq = tl.zeros([BH, BV], tl.float32)
+    dqt = tl.zeros([BH, BT], tl.float32)
+    for k0 in range(0, W, BK):
+        keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
+                                      HAS_KSTART)
+        if SKIP_EMPTY:
+            if tl.max(valid.to(tl.int32), 0) > 0:
+                dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
+                                   dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
+        else:
+            dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
+                               dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
+    cv = tl.arange(0, BV)
+    ct = tl.arange(0, BT)
+    base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
+    tl.store(base + cv[None, :], dq.to(DQ.dtype.element_ty),
+             mask=hmask[:, None] & (cv[None, :] < V))
+    tl.store(base + V + ct[None, :], dqt.to(DQ.dtype.element_ty),
+             mask=hmask[:, None] & (ct[None, :] < T))
+
+
+@triton.jit
+def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W, scale,
+                        scale_log2, sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
+                        V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                        BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                        PREC: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = t0 + row
+    bi = t // S
+    i = t % S
+    slots = tl.program_id(1) * BK + tl.arange(0, BK)
+    keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
+    if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
+        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        dk = tl.zeros([BK, BV], tl.float32)
+        dkt = tl.zeros([BK, BT], tl.float32)
+        for h0 in range(0, N, BH):
+            heads = h0 + tl.arange(0, BH)
+            hmask = heads < N
+            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
+            lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
+            delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
+            # transposed [BK, BH] scores, so that every product has the slots as rows
+            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            p_t = tl.where(valid[:, None], p_t, 0.0)
+            dp_t = tl.dot(k, tl.trans(do), input_precision=PREC)
+            ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
+            dk += tl.dot(ds_t, q, input_precision=PREC)
+            dk += tl.dot(p_t.to(q.dtype), do, input_precision=PREC)
+            if T > 0:
+                dkt += tl.dot(ds_t, qt, input_precision=PREC)
+        cv = tl.arange(0, BV)
+        ct = tl.arange(0, BT)
+        base = PART + (row * W + slots[:, None]) * (V + T)
+        smask = slots[:, None] < W
+        tl.store(base + cv[None, :], dk.to(PART.dtype.element_ty), mask=smask & (cv[None, :] < V))
+        tl.store(base + V + ct[None, :], dkt.to(PART.dtype.element_ty),
+                 mask=smask & (ct[None, :] < T))
+
+
+@triton.jit
+def _slot_probs_kernel(Q, KV, IDX, KSTART, LSE, PROBS, S, B, N, W, scale_log2,
+                       sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s,
+                       V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                       BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                       PREC: tl.constexpr):
+    """``PROBS[b, i, slot] = sum_h P[h, slot]`` from the final ``LSE``; grid (tokens, slots)."""
+    t = tl.program_id(0).to(tl.int64)
+    bi = t // S
+    i = t % S
+    slots = tl.program_id(1) * BK + tl.arange(0, BK)
+    keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
+    total = tl.zeros([BK], tl.float32)
+    if tl.max(valid.to(tl.int32), 0) > 0:
+        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        for h0 in range(0, N, BH):
+            heads = h0 + tl.arange(0, BH)
+            hmask = heads < N
+            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
+            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            total += tl.sum(tl.where(valid[:, None], p_t, 0.0), 1)
+    tl.store(PROBS + (bi * S + i) * W + slots, total, mask=slots < W)
+
+
+@triton.jit
+def _dkv_reduce_kernel(PART, ORDER, SEGMENT, DKV, key0, D, BR: tl.constexpr, BD: tl.constexpr):
+    """``DKV[key0 + p] += sum of PART rows ORDER[SEGMENT[p] : SEGMENT[p + 1]]`` in that order."""
+    pid = tl.program_id(0)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    cmask = c < D
+    start = tl.load(SEGMENT + pid)
+    end = tl.load(SEGMENT + pid + 1)
+    acc = tl.zeros([BD], tl.float32)
+    for r0 in range(start, end, BR):
+        rows = r0 + tl.arange(0, BR)
+        rmask = rows < end
+        src = tl.load(ORDER + rows, mask=rmask, other=0)
+        rows_in = tl.load(PART + src[:, None] * D + c[None, :],
+                          mask=rmask[:, None] & cmask[None, :], other=0.0)
+        acc += tl.sum(rows_in.to(tl.float32), 0)
+    dst = DKV + (key0 + pid).to(tl.int64) * D + c
+    tl.store(dst, tl.load(dst, mask=cmask) + acc, mask=cmask)
+
+
+def _pow2(x: int) -> int:
+    return max(16, triton.next_power_of_2(x))
+
+
+CONFIGS = {
+    "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
+    "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
+    "dkv": dict(BH=32, BK=32, num_warps=8, num_stages=1),
+}
+"""Head block (capped at the head count), slot block, warps and stages per kernel (``dkv`` also
+serves the slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot blocks in the
+slot loops (saves their work; may keep the loop's loads from being software-pipelined). Chosen
+for d_k = 576 bf16 on Hopper from ptxas reports (compiled for sm_90: few register spills, shared
+memory under the 227 KiB per block at d_k 576 and 512); the bits of the results depend on BK and
+BH, so a fixed table (no autotuning) keeps runs reproducible across processes."""
+
+
+def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
+    """Constexpr and launch arguments of ``kernel``: value/tail channel blocks (powers of two
+    >= 16, masked), head and slot blocks, dot precision (exact fp32 for fp32 inputs)."""
+    cfg = dict(CONFIGS[kernel])
+    cfg["BH"] = min(cfg["BH"], _pow2(n))
+    if dtype == torch.float32:  # fp32 dots run on CUDA cores: small tiles
+        cfg.update(BH=min(cfg["BH"], 16), BK=16)
+    return dict(cfg, V=v, T=tail, BV=_pow2(v), BT=_pow2(tail),
+                PREC="ieee" if dtype == torch.float32 else "tf32")
+
+
+class _SparseMLATriton(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
+                key_start: torch.Tensor | None, softmax_scale: float, v_channels: int,
+                slot_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s, b, n, d = query.shape
+        w = topk_indices.size(-1)
+        out = query.new_empty(s, b, n, v_channels)
+        lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
+        has_start = key_start is not None
+        start = key_start if has_start else topk_indices
+        meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
+        _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
+            query, latent_kv, topk_indices, start, out, lse2, s, b, n, w, softmax_scale * _LOG2E,
+            *query.stride()[:3], *latent_kv.stride()[:2], *topk_indices.stride()[:2],
+            *out.stride()[:3], HAS_KSTART=has_start, **meta)
+        probs = None
+        if slot_probs:
+            probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
+            meta = _meta("dkv", n, v_channels, d - v_channels, query.dtype)
+            _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
+                query, latent_kv, topk_indices, start, lse2, probs, s, b, n, w,
+                softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+                *topk_indices.stride()[:2], HAS_KSTART=has_start, **meta)
+            ctx.mark_non_differentiable(probs)
+        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, out, lse2)
+        ctx.softmax_scale = softmax_scale
+        ctx.v_channels = v_channels
+        return out, probs
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor, _grad_probs: torch.Tensor | None):  # noqa: ANN205
+        query, latent_kv, topk_indices, key_start, out, lse2 = ctx.saved_tensors
+        scale, v = ctx.softmax_scale, ctx.v_channels
+        s, b, n, d = query.shape
+        w = topk_indices.size(-1)
+        do = grad_out.contiguous()
+        delta = torch.empty(s, b, n, dtype=torch.float32, device=query.device)  # by the dQ kernel
+        has_start = key_start is not None
+        start = key_start if has_start else topk_indices
+        common = (s, b, n, w, scale, scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+                  *topk_indices.stride()[:2], *do.stride()[:3])
+        grad_query = torch.empty_like(query)
+        meta = _meta("dq", n, v, d - v, query.dtype)
+        _dq_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
+            query, latent_kv, do, out, topk_indices, start, lse2, delta, grad_query, *common,
+            *out.stride()[:3], HAS_KSTART=has_start, **meta)
+
+        grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
+        chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * query.element_size())))
+        partial = torch.empty(chunk, w, d, dtype=query.dtype, device=query.device)
+        flat = topk_indices.reshape(b * s, w)
+        meta = _meta("dkv", n, v, d - v, query.dtype)
+        for t0 in range(0, b * s, chunk):
+            t1 = min(t0 + chunk, b * s)
+            _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, meta["BK"]))](
+                query, latent_kv, do, topk_indices, start, lse2, delta, partial, t0, *common,
+                HAS_KSTART=has_start, **meta)
+            # flat key ids (batch * s + key) of the chunk's valid slots, invalid -> b * s (last);
+            # they lie in [first key of t0's batch row, t1)
+            token = torch.arange(t0, t1, device=query.device)
+            lowest = key_start[token % s] if has_start else torch.zeros_like(token)
+            keys = flat[t0:t1].to(torch.int64)
+            valid = (keys >= lowest[:, None]) & (keys <= (token % s)[:, None])
+            flat_key = torch.where(valid, keys + (token // s * s)[:, None], b * s)
+            key0 = t0 // s * s
+            sorted_keys, order = torch.sort(flat_key.reshape(-1), stable=True)
+            segment = torch.searchsorted(
+                sorted_keys, torch.arange(key0, t1 + 1, device=query.device))
+            _dkv_reduce_kernel[(t1 - key0, triton.cdiv(d, 64))](
+                partial, order, segment, grad_kv, key0, d, BR=16, BD=64, num_warps=2)
+        grad_kv = grad_kv.view(b, s, 1, d).transpose(0, 1).to(latent_kv.dtype)
+        return grad_query, grad_kv, None, None, None, None, None
+
+
+def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
+                      softmax_scale: float, *, v_channels: int,
+                      key_start: torch.Tensor | None = None, return_slot_probs: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``query [s, b, n, d_k]`` over its selected latent keys (Triton).
+
+    See the module docstring for layouts, masking and the unique-keys precondition. Returns
+    ``[s, b, n, v_channels]`` in ``query.dtype``; differentiable in ``query`` and ``latent_kv``,
+    deterministically. Any ``n``, ``W``, ``v_channels`` and tail width work (channel and head
+    blocks are padded to powers of two >= 16 and masked).
+
+    With ``return_slot_probs`` also returns, without grad, the attention probability of each slot
+    summed over the heads, fp32 ``[b, s, W]`` (0 on ignored slots; each row sums to ``n``, or 0
+    for a query without a valid key): the target of the indexer's KL loss.
+    """
+    s, b, n, d = query.shape
+    if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"query dtype must be fp32, fp16 or bf16, got {query.dtype}")
+    if latent_kv.shape != (s, b, 1, d) or latent_kv.dtype != query.dtype:
+        raise ValueError(f"latent_kv must be [{s}, {b}, 1, {d}] {query.dtype}, got "
+                         f"{list(latent_kv.shape)} {latent_kv.dtype}")
+    if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, s) or topk_indices.size(2) < 1:
+        raise ValueError(f"topk_indices must be [{b}, {s}, W >= 1], got {list(topk_indices.shape)}")
+    if topk_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_indices must be int32 or int64, got {topk_indices.dtype}")
+    if not 0 < v_channels <= d:
+        raise ValueError(f"v_channels={v_channels} must be in (0, d_k={d}]")
+    if key_start is not None and key_start.shape != (s,):
+        raise ValueError(f"key_start must be [{s}], got {list(key_start.shape)}")
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    out, probs = _SparseMLATriton.apply(
+        query.contiguous(), latent_kv.contiguous(), topk_indices.contiguous(),
+        None if key_start is None else key_start.contiguous(), softmax_scale, v_channels,
+        return_slot_probs)
+    return (out, probs) if return_slot_probs else out

@@ -1,0 +1,259 @@
+"""Check and time the Triton sparse-MLA kernels against the chunked torch path on one CUDA GPU.
+
+1. Correctness (bf16): GLM-5 shape (s=2048, n=64, d_k=576 = 512 latent + 64 rope, v=512, W=2048)
+   and NoPE shape (d_k=v=512), plus a packed-document (THD) variant; relative errors
+   ``||x - ref|| / ||ref||`` of out, dq, dkv against the fp32 torch reference
+   (``kpool_layers.sparse_attention``) on the same bf16 inputs, next to the bf16 torch path's.
+2. Determinism: two Triton runs bit-identical (out, dq, dkv).
+3. Timing (``triton.testing.do_bench`` median) of forward and forward+backward at each ``--sizes``
+   (n=64, W=2048, GLM-5 dims) for Triton and the torch path, with useful TFLOP/s
+   (forward ``2*s*W*n*(d_k+v)``, backward twice that) and extra peak memory, and the Triton
+   forward with the slot probabilities; plus a per-kernel CUDA time breakdown of one Triton
+   forward+backward (torch profiler).
+4. With ``--sweep`` (about 13 more kernel compiles), at the first size: each kernel's
+   alternatives of ``SWEEP`` in turn (the others at their defaults), timing forward (``fwd``)
+   or forward+backward (``dq``, ``dkv``), with the relative difference of the results from the
+   default table's (a wrong variant shows there; bits differ anyway, as BK and BH fix the
+   summation order).
+
+Top-k indices: per query, W distinct random keys of its causal prefix (fewer early on, padded with
+-1), so the first W queries have empty slots, as from the indexer.
+
+    python scripts/bench/sparse_mla_triton_check.py --out runs/sparse_mla_triton.json
+    python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --no-torch --sweep --out x.json
+Works with torch >= 2.4 and triton >= 3.0 (uses only ``do_bench(..., return_mode="median")``).
+Each kernel compiles at first use (checked offline for sm_90 with ptxas: the default table fits
+Hopper's 227 KiB of shared memory at d_k 576 and 512, n = 16..128).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable
+
+import torch
+from triton.testing import do_bench
+
+from kpool_layers.kernels import sparse_mla_triton as smla
+from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
+from kpool_layers.sparse_attention import sparse_mla_attention
+
+TORCH_CHUNK = 512
+SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, st in variants]
+         for kernel, variants in {
+             "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 1),
+                     (16, 32, 4, 2)],
+             "dq": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (32, 16, 4, 2)],
+             "dkv": [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 2), (64, 32, 8, 1)],
+         }.items()}
+SWEEP["fwd"].append(dict(SKIP_EMPTY=False, num_stages=2))
+SWEEP["dq"].append(dict(SKIP_EMPTY=False, num_stages=2))
+"""Alternatives to ``smla.CONFIGS`` tried by the sweep (each updates the kernel's default)."""
+
+
+def causal_topk(s: int, width: int, key_start: torch.Tensor | None, seed: int) -> torch.Tensor:
+    """int32 ``[1, s, W]``: per query up to W distinct random keys of its document's causal
+    prefix, then -1 (built 1024 queries at a time)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    start = key_start if key_start is not None else torch.zeros(s, dtype=torch.int64, device="cuda")
+    keys = torch.arange(s, device="cuda")
+    rows = []
+    for r0 in range(0, s, 1024):
+        i = torch.arange(r0, min(r0 + 1024, s), device="cuda")
+        visible = (keys[None] <= i[:, None]) & (keys[None] >= start[i, None])
+        score = torch.rand(len(i), s, generator=gen, device="cuda").masked_fill(~visible, -1.0)
+        top, idx = score.topk(min(width, s), dim=-1)
+        rows.append(torch.where(top >= 0, idx, -1))
+    out = torch.cat(rows)
+    if width > s:
+        out = torch.cat([out, out.new_full((s, width - s), -1)], -1)
+    return out[None].int()
+
+
+def inputs(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int = 0) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    key_start = None
+    if thd:  # documents [0, s/5), [s/5, s/2), [s/2, s)
+        bounds = torch.tensor([0, s // 5, s // 2], device="cuda")
+        doc = torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1
+        key_start = bounds[doc]
+    return dict(
+        query=torch.randn(s, 1, n, d, generator=gen, device="cuda").bfloat16().requires_grad_(),
+        latent_kv=torch.randn(s, 1, 1, d, generator=gen, device="cuda").bfloat16().requires_grad_(),
+        topk_indices=causal_topk(s, width, key_start, seed),
+        key_start=key_start,
+        grad_out=torch.randn(s, 1, n, v, generator=gen, device="cuda").bfloat16(),
+        softmax_scale=d ** -0.5, v_channels=v)
+
+
+def attention(path: str, x: dict, query: torch.Tensor, latent_kv: torch.Tensor) -> torch.Tensor:
+    if path == "triton":
+        return sparse_mla_triton(query, latent_kv, x["topk_indices"], x["softmax_scale"],
+                                 v_channels=x["v_channels"], key_start=x["key_start"])
+    return sparse_mla_attention(query, latent_kv, x["topk_indices"], x["softmax_scale"],
+                                v_channels=x["v_channels"], chunk_size=TORCH_CHUNK,
+                                key_start=x["key_start"])
+
+
+def forward_backward(path: str, x: dict, query: torch.Tensor | None = None,
+                     latent_kv: torch.Tensor | None = None) -> list[torch.Tensor]:
+    query = x["query"] if query is None else query
+    latent_kv = x["latent_kv"] if latent_kv is None else latent_kv
+    out = attention(path, x, query, latent_kv)
+    grad_out = x["grad_out"].to(out.dtype)
+    return [out, *torch.autograd.grad(out, (query, latent_kv), grad_out)]
+
+
+def check(name: str, s: int, n: int, d: int, v: int, width: int, thd: bool) -> dict:
+    x = inputs(s, n, d, v, width, thd)
+    got, again = forward_backward("triton", x), forward_backward("triton", x)
+    q32, kv32 = (x[k].detach().float().requires_grad_() for k in ("query", "latent_kv"))
+    ref = forward_backward("torch", x, q32, kv32)
+    bf16 = forward_backward("torch", x)
+    row = dict(case=name, s=s, n=n, d_k=d, v=v, W=width, thd=thd,
+               deterministic=all(torch.equal(g, a) for g, a in zip(got, again)),
+               finite=all(bool(g.isfinite().all()) for g in got))
+    for tensor, g, b, r in zip(("out", "dq", "dkv"), got, bf16, ref):
+        row[f"err_{tensor}"] = ((g.float() - r).norm() / r.norm()).item()
+        row[f"torch_bf16_err_{tensor}"] = ((b.float() - r).norm() / r.norm()).item()
+    row["ok"] = row["deterministic"] and row["finite"] and all(
+        row[f"err_{t}"] <= 2e-2 for t in ("out", "dq", "dkv"))
+    return row
+
+
+def bench(fn: Callable[[], object]) -> tuple[float, float]:
+    """(median ms, extra peak GiB of one call)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    return do_bench(fn, warmup=50, rep=300, return_mode="median"), peak
+
+
+def with_probs(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return sparse_mla_triton(x["query"], x["latent_kv"], x["topk_indices"], x["softmax_scale"],
+                             v_channels=x["v_channels"], key_start=x["key_start"],
+                             return_slot_probs=True)
+
+
+def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list[dict]:
+    x = inputs(s, n, d, v, width, thd=False, seed=1)
+    flops_fwd = 2 * s * width * n * (d + v)
+    rows = []
+    for path in paths:
+        stages = [("fwd", lambda: attention(path, x, x["query"], x["latent_kv"]), flops_fwd),
+                  ("fwd+bwd", lambda: forward_backward(path, x), 3 * flops_fwd)]
+        if path == "triton":
+            stages.append(("fwd+probs", lambda: with_probs(x), flops_fwd))
+        for stage, fn, flops in stages:
+            try:
+                ms, peak = bench(fn)
+            except torch.cuda.OutOfMemoryError:
+                rows.append(dict(path=path, stage=stage, s=s, oom=True))
+                continue
+            rows.append(dict(path=path, stage=stage, s=s, n=n, W=width, ms=ms,
+                             tflops=flops / ms / 1e9, peak_gib=peak))
+    return rows
+
+
+def sweep(s: int, n: int, d: int, v: int, width: int) -> list[dict]:
+    """Each alternative of ``SWEEP`` against the default table (see the module docstring)."""
+    x = inputs(s, n, d, v, width, thd=False, seed=3)
+    default = dict(smla.CONFIGS)
+    ref = forward_backward("triton", x)
+    rows = []
+    for kernel, variants in SWEEP.items():
+        for variant in [{}, *variants]:
+            cfg = {**default[kernel], **variant}
+            smla.CONFIGS[kernel] = cfg
+            row = dict(kernel=kernel, **cfg)
+            try:
+                got = forward_backward("triton", x)
+                row["rel_diff"] = max(((g.float() - r.float()).norm() / r.float().norm()).item()
+                                      for g, r in zip(got, ref))
+                if kernel == "fwd":
+                    row["ms_fwd"] = do_bench(
+                        lambda: attention("triton", x, x["query"], x["latent_kv"]), warmup=25,
+                        rep=100, return_mode="median")
+                row["ms_fwd_bwd"] = do_bench(lambda: forward_backward("triton", x), warmup=25,
+                                             rep=100, return_mode="median")
+            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            rows.append(row)
+        smla.CONFIGS[kernel] = default[kernel]
+    return rows
+
+
+def kernel_breakdown(s: int, n: int, d: int, v: int, width: int) -> dict[str, float]:
+    """CUDA ms per kernel name over one Triton forward+backward (after a warm-up)."""
+    x = inputs(s, n, d, v, width, thd=False, seed=2)
+    forward_backward("triton", x)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        forward_backward("triton", x)
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        device_us = getattr(event, "device_time_total", None)
+        if device_us is None:
+            device_us = event.cuda_time_total
+        if device_us > 0:
+            times[event.key[:60]] = device_us / 1e3
+    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:12])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--heads", type=int, default=64)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--no-torch", action="store_true", help="time only the Triton path")
+    parser.add_argument("--sweep", action="store_true", help="also sweep block sizes")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a CUDA GPU"
+    report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=__import__("triton").__version__)
+    report["checks"] = [check("glm5", 2048, 64, 576, 512, 2048, False),
+                        check("glm5_thd", 2048, 64, 576, 512, 2048, True),
+                        check("nope", 2048, 64, 512, 512, 2048, False)]
+    for row in report["checks"]:
+        print(row)
+    paths = ["triton"] if args.no_torch else ["triton", "torch"]
+    report["timing"] = [row for s in args.sizes
+                        for row in timing(s, args.heads, 576, 512, args.width, paths)]
+    report["kernels_ms"] = kernel_breakdown(args.sizes[0], args.heads, 576, 512, args.width)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    if args.sweep:
+        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nsweep (s={args.sizes[0]}; first row per kernel = default)")
+        for r in report["sweep"]:
+            cfg = (f"{r['kernel']:<4} BH={r['BH']:<3} BK={r['BK']:<3} w={r['num_warps']} "
+                   f"st={r['num_stages']} skip={r.get('SKIP_EMPTY', '-')!s:<5}")
+            if "error" in r:
+                print(f"{cfg}  {r['error'][:80]}")
+            else:
+                print(f"{cfg}  fwd {r.get('ms_fwd', float('nan')):7.2f} ms  fwd+bwd "
+                      f"{r['ms_fwd_bwd']:7.2f} ms  rel diff {r['rel_diff']:.1e}")
+    print(f"\nkernels (s={args.sizes[0]}, ms): {report['kernels_ms']}")
+    print("\ncheck       ok    det   err out / dq / dkv (torch bf16 path)")
+    for r in report["checks"]:
+        print(f"{r['case']:<10} {r['ok']!s:<5} {r['deterministic']!s:<5} "
+              + " / ".join(f"{r['err_' + t]:.2e} ({r['torch_bf16_err_' + t]:.2e})"
+                           for t in ("out", "dq", "dkv")))
+    print("\npath    stage          s       ms   TFLOP/s  peak GiB")
+    for r in report["timing"]:
+        if r.get("oom"):
+            print(f"{r['path']:<7} {r['stage']:<9} {r['s']:>6}  OOM")
+        else:
+            print(f"{r['path']:<7} {r['stage']:<9} {r['s']:>6} {r['ms']:8.2f} {r['tflops']:9.1f} "
+                  f"{r['peak_gib']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""The Triton sparse-MLA kernels equal the chunked torch reference, forward and both gradients, and
+are bit-deterministic; the optional slot probabilities equal an fp64 softmax summed over heads.
+
+CPU: the kernels run under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``)
+before triton is imported, so all CPU cases run once in a subprocess (this module run as a script)
+that prints their errors as JSON; the tests read that report. The interpreter's ``tl.dot`` is exact
+in fp32 and fp16 but wrong in bf16, so bf16 is checked only on a GPU (class ``TestGPU``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kpool_layers.sparse_attention import sparse_mla_attention
+
+pytest.importorskip("triton")
+
+# Tolerances on ||got - ref|| / ||ref||. fp32: both paths do exact fp32 arithmetic in different
+# summation orders over <= 48 terms, so ~sqrt(48) * 2^-24 ~ 1e-6; bound 1e-5. fp16: both round the
+# operands identically, but P and dS are rounded to fp16 (unit roundoff 2^-11 = 4.9e-4) from fp32
+# values that differ in the last bits, and outputs/gradients are rounded to fp16 again, so single
+# elements may differ by ~2 fp16 ulps (1e-3 relative); the norm-wise bound is 2e-3.
+RTOL = {"float32": 1e-5, "float16": 2e-3}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def random_topk(b: int, s: int, width: int, gen: torch.Generator, empty: float = 0.2
+                ) -> torch.Tensor:
+    """int32 ``[b, s, W]`` distinct random keys per row from ``[0, s)`` (so some lie in the future)
+    with a fraction ``empty`` of slots set to -1."""
+    keys = torch.stack([torch.randperm(s, generator=gen)[:width] for _ in range(b * s)])
+    keys = torch.where(torch.rand(keys.shape, generator=gen) < empty, -1, keys)
+    return keys.view(b, s, width).int()
+
+
+def slot_probs_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,
+                         scale: float, key_start: torch.Tensor | None) -> torch.Tensor:
+    """fp64 ``[b, s, W]``: softmax over each query's valid slots, summed over heads."""
+    s, b, n, d = query.shape
+    rows = torch.arange(s)
+    lowest = key_start if key_start is not None else torch.zeros(s, dtype=torch.int64)
+    keys = topk.long()
+    valid = (keys >= lowest[None, :, None]) & (keys <= rows[None, :, None])
+    k_sel = latent_kv.detach().double()[:, :, 0].transpose(0, 1)  # [b, s, d]
+    k_sel = k_sel[torch.arange(b)[:, None, None], keys.clamp(min=0)]  # [b, s, W, d]
+    scores = torch.einsum("sbnd,bswd->bsnw", query.detach().double(), k_sel) * scale
+    probs = torch.softmax(scores.masked_fill(~valid[:, :, None], float("-inf")), -1)
+    return probs.nan_to_num(0.0).sum(2)
+
+
+def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
+             thd: bool = False, empty_rows: tuple[int, ...] = (), partial_rows: int = 0,
+             seed: int = 0) -> dict:
+    """Triton vs reference errors of out, dq, dkv (and determinism, empty-row zeros)."""
+    from kpool_layers.kernels import sparse_mla_triton as smla
+
+    gen = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    query = torch.randn(s, b, n, d, generator=gen).to(dt).requires_grad_()
+    latent = torch.randn(s, b, 1, d, generator=gen).to(dt).requires_grad_()
+    topk = random_topk(b, s, width, gen)
+    topk[:, list(empty_rows)] = -1
+    key_start = None
+    if thd:  # documents [0, s/3), [s/3, s/2), [s/2, s)
+        bounds = torch.tensor([0, s // 3, s // 2])
+        key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
+    grad_out = torch.randn(s, b, n, v, generator=gen).to(dt)
+    scale = d ** -0.5
+    budget = smla.PARTIAL_BUFFER_BYTES
+
+    def triton_run() -> list[torch.Tensor]:
+        out = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start)
+        return [out, *torch.autograd.grad(out, (query, latent), grad_out)]
+
+    try:
+        if partial_rows:  # several query chunks in the key-gradient reduction
+            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
+        got, again = triton_run(), triton_run()
+    finally:
+        smla.PARTIAL_BUFFER_BYTES = budget
+    ref_out = sparse_mla_attention(query, latent, topk, scale, v_channels=v, chunk_size=7,
+                                   key_start=key_start)
+    ref = [ref_out, *torch.autograd.grad(ref_out, (query, latent), grad_out)]
+    report = {name: ((g.double() - r.double()).norm() / r.double().norm()).item()
+              for name, g, r in zip(("out", "dq", "dkv"), got, ref)}
+    _, probs = smla.sparse_mla_triton(query.detach(), latent.detach(), topk, scale, v_channels=v,
+                                      key_start=key_start, return_slot_probs=True)
+    want = slot_probs_reference(query, latent, topk, scale, key_start)
+    report["probs"] = ((probs.double() - want).norm() / want.norm()).item()
+    report["dtypes"] = [str(g.dtype).removeprefix("torch.") for g in got]
+    report["deterministic"] = all(torch.equal(g, a) for g, a in zip(got, again))
+    report["empty_rows_zero"] = all(
+        not got[i][list(empty_rows)].any().item() for i in (0, 1)) if empty_rows else True
+    return report
+
+
+CASES = {
+    # name: (s, b, n, d_k, v, W, dtype, options)
+    "fp32_rope": (20, 2, 3, 48, 32, 12, "float32", {}),
+    "fp16_rope": (24, 2, 3, 48, 32, 12, "float16", {}),
+    "fp32_nope_one_head": (20, 1, 1, 32, 32, 9, "float32", {}),
+    "fp16_nope_five_heads": (20, 1, 5, 32, 32, 9, "float16", {}),
+    "fp32_thd_empty_rows": (30, 1, 2, 48, 32, 10, "float32", {"thd": True, "empty_rows": (4, 17)}),
+    "fp16_wide_multichunk": (34, 2, 5, 48, 32, 33, "float16",
+                             {"partial_rows": 16, "empty_rows": (0, 9)}),
+    "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
+    "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
+}
+
+
+@pytest.fixture(scope="module")
+def cpu_report() -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "tests.test_sparse_mla_triton"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_reference_cpu(cpu_report: dict, case: str) -> None:
+    report, dtype = cpu_report[case], CASES[case][6]
+    assert report["dtypes"] == [dtype] * 3
+    for name in ("out", "dq", "dkv", "probs"):
+        assert report[name] <= RTOL[dtype], (name, report)
+    assert report["empty_rows_zero"], report
+
+
+def test_deterministic_cpu(cpu_report: dict) -> None:
+    assert all(report["deterministic"] for report in cpu_report.values()), cpu_report
+
+
+def test_rejects_bad_shapes() -> None:
+    from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
+
+    query = torch.zeros(4, 1, 2, 48)
+    with pytest.raises(ValueError, match="latent_kv"):
+        sparse_mla_triton(query, torch.zeros(4, 1, 1, 32), torch.zeros(1, 4, 2, dtype=torch.int32),
+                          1.0, v_channels=32)
+    with pytest.raises(ValueError, match="v_channels"):
+        sparse_mla_triton(query, torch.zeros(4, 1, 1, 48), torch.zeros(1, 4, 2, dtype=torch.int32),
+                          1.0, v_channels=64)
+
+
+def causal_topk(b: int, s: int, width: int, key_start: torch.Tensor | None, device: str,
+                seed: int) -> torch.Tensor:
+    """int32 ``[b, s, W]``: per query up to W distinct random keys of its document's causal
+    prefix, then -1 (built in query chunks: no ``[s, s]`` at once)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    start = key_start if key_start is not None else torch.zeros(s, dtype=torch.int64, device=device)
+    rows = []
+    for r0 in range(0, s, 1024):
+        i = torch.arange(r0, min(r0 + 1024, s), device=device)
+        keys = torch.arange(s, device=device)
+        visible = (keys[None] <= i[:, None]) & (keys[None] >= start[i, None])
+        score = torch.rand(b, len(i), s, generator=gen, device=device).masked_fill(~visible, -1.0)
+        top, idx = score.topk(min(width, s), dim=-1)
+        rows.append(torch.where(top >= 0, idx, -1))
+    out = torch.cat(rows, 1)
+    if width > s:
+        out = torch.cat([out, out.new_full((b, s, width - s), -1)], -1)
+    return out.int()
+
+
+def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int = 0
+               ) -> tuple[dict, bool]:
+    """bf16 Triton vs the fp32 torch reference on the same (bf16-rounded) inputs: relative errors of
+    out, dq, dkv; and whether two Triton runs are bit-identical."""
+    from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    query = torch.randn(s, 1, n, d, generator=gen, device="cuda").bfloat16().requires_grad_()
+    latent = torch.randn(s, 1, 1, d, generator=gen, device="cuda").bfloat16().requires_grad_()
+    key_start = None
+    if thd:
+        bounds = torch.tensor([0, s // 5, s // 2], device="cuda")
+        doc = torch.searchsorted(bounds, torch.arange(s, device="cuda"), right=True) - 1
+        key_start = bounds[doc]
+    topk = causal_topk(1, s, width, key_start, "cuda", seed)
+    grad_out = torch.randn(s, 1, n, v, generator=gen, device="cuda").bfloat16()
+    scale = d ** -0.5
+
+    def run() -> list[torch.Tensor]:
+        out = sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start)
+        return [out, *torch.autograd.grad(out, (query, latent), grad_out)]
+
+    got, again = run(), run()
+    q32, kv32 = (x.detach().float().requires_grad_() for x in (query, latent))
+    ref_out = sparse_mla_attention(q32, kv32, topk, scale, v_channels=v, chunk_size=128,
+                                   key_start=key_start)
+    ref = [ref_out, *torch.autograd.grad(ref_out, (q32, kv32), grad_out.float())]
+    errors = {name: ((g.float() - r).norm() / r.norm()).item()
+              for name, g, r in zip(("out", "dq", "dkv"), got, ref)}
+    return errors, all(torch.equal(g, a) for g, a in zip(got, again))
+
+
+@pytest.mark.gpu
+class TestGPU:
+    @pytest.mark.parametrize("shape", [  # two shapes only: each compiles its own kernels
+        (2048, 64, 576, 512, 2048, False),  # GLM-5
+        (1024, 20, 512, 512, 256, True),  # NoPE (GLM-5.3-Flash), odd head count, packed documents
+    ])
+    def test_bf16_matches_fp32_reference_and_is_deterministic(self, shape: tuple) -> None:
+        errors, deterministic = gpu_errors(*shape)
+        assert all(e <= 2e-2 for e in errors.values()), errors
+        assert deterministic
+
+
+if __name__ == "__main__":  # CPU cases under the interpreter (see the module docstring)
+    print(json.dumps({name: run_case(*args[:7], **args[7]) for name, args in CASES.items()}))
