@@ -177,7 +177,9 @@ def quantize_vectors(
 def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> torch.Tensor:
     """The serving engines' index q/k path for ``x [..., d]`` (pooled keys, or index-query heads):
     BF16 -> Hadamard (FP32, scale d**-0.5) -> BF16 -> e4m3 with one scale per d-vector.
-    Returns the dequantized values, FP32 ``[..., d]``.
+    Returns the dequantized values ``[..., d]``: BF16 for ``ue8m0`` scales (exact: an e4m3 value,
+    4 significant bits, times a power of two fits BF16's 8 bits and FP32's exponent range; halves
+    the bytes and keeps the fused top-k kernels on BF16 tensor cores), FP32 for ``amax`` scales.
 
     Served GLM-5.x models have ``d = 128`` (the index cache's quantization block). Smaller
     power-of-two ``d`` (CPU test models) run the same steps over their ``d`` channels."""
@@ -190,7 +192,8 @@ def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") ->
     v = x.to(torch.bfloat16).float()
     v = hadamard_transform(v, d**-0.5).to(torch.bfloat16)
     scale = compute_scale(v.float().abs().amax(dim=-1, keepdim=True), scale_format)
-    return cast_e4m3(v, scale).float() * scale
+    dequantized = cast_e4m3(v, scale).float() * scale
+    return dequantized.to(torch.bfloat16) if scale_format == "ue8m0" else dequantized
 
 
 def serving_index_scores(
@@ -209,8 +212,8 @@ def serving_index_scores(
             f"expected q [sq, h, d], k [sk, d], weights [sq, h]; got {tuple(q.shape)}, "
             f"{tuple(k.shape)}, {tuple(weights.shape)}"
         )
-    qd = serving_index_quant(q, scale_format)
-    kd = serving_index_quant(k, scale_format)
+    qd = serving_index_quant(q, scale_format).float()
+    kd = serving_index_quant(k, scale_format).float()
     logits = torch.einsum("qhd,kd->qhk", qd, kd)
     if relu:
         logits = logits.relu()

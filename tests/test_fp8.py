@@ -140,11 +140,21 @@ def test_serving_index_quant_matches_reference():
         assert got[row].tolist() == _ref_serving_quant(x[row].tolist())
 
 
+def test_serving_index_quant_ue8m0_is_exact_in_bf16():
+    """ue8m0 dequantized values (e4m3 times a power of two) come back in BF16 without rounding."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(4)) * 5
+    got = fp8.serving_index_quant(x, "ue8m0")
+    v = fp8.hadamard_transform(x.to(torch.bfloat16).float(), 128**-0.5).to(torch.bfloat16).float()
+    scale = fp8.compute_scale(v.abs().amax(dim=-1, keepdim=True), "ue8m0")
+    assert got.dtype == torch.bfloat16 and fp8.serving_index_quant(x, "amax").dtype == torch.float32
+    assert torch.equal(got.float(), fp8.cast_e4m3(v, scale).float() * scale)
+
+
 def test_serving_index_quant_random_close_to_reference():
     # Gaussian data: FP32 butterfly vs exact sums may flip a rare BF16 rounding; allow <= 1 %.
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4, 128, generator=g) * 3
-    got = fp8.serving_index_quant(x)
+    got = fp8.serving_index_quant(x).float()
     ref = torch.tensor([_ref_serving_quant(r) for r in x.tolist()])
     assert (got != ref).float().mean() <= 0.01
     torch.testing.assert_close(got, ref, rtol=0.07, atol=1e-3)
