@@ -192,6 +192,7 @@ def bench_length(shape: Shape, s: int, backends: list[str], repeats: int, device
             res[f"{stage}_ms"], res[f"{stage}_peak_mib"] = m["ms"], m["peak_mib"]
             if m.get("oom") or m.get("error"):
                 res[f"{stage}_error"] = "OOM" if m.get("oom") else m["error"]
+        res["peak_mib"] = res.get("fwdbwd_peak_mib")  # forward + backward, the stage's peak
         if res.get("fwd_ms"):
             res["fwd_tflops"] = fwd_flops / res["fwd_ms"] / 1e9
         if res.get("fwdbwd_ms"):
