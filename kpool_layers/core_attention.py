@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 

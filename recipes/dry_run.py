@@ -87,20 +87,12 @@ def memory_estimate_gib(cfg: Any, total: int, expert: int) -> dict[str, float]:
     parallel ranks by the distributed optimizer); experts split over EP, the rest over TP, both
     over PP. Activations are not included.
     """
-    p = cfg.parallelism
-    world = p.nodes * p.gpus_per_node
-    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    etp = p.expert_tensor_parallel_size or tp
-    dp = max(world // (tp * pp * p.context_parallel_size), 1)
-    edp = max(world // (ep * etp * pp), 1)
-    wbytes = 2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4
-    dense_rank = (total - expert) / (tp * pp)
-    expert_rank = expert / (ep * etp * pp)
-    opt_div_dense = dp if p.use_distributed_optimizer else 1
-    opt_div_expert = edp if p.use_distributed_optimizer else 1
-    weights = (dense_rank + expert_rank) * wbytes
+    r = memory_plan.RankSizes.of(cfg)
+    dense_rank = (total - expert) / (r.tp * r.pp)
+    expert_rank = expert / (r.ep * r.etp * r.pp)
+    weights = (dense_rank + expert_rank) * r.weight_bytes
     grads = (dense_rank + expert_rank) * 4
-    optim = dense_rank * 12 / opt_div_dense + expert_rank * 12 / opt_div_expert
+    optim = dense_rank * r.adam_bytes_dense + expert_rank * r.adam_bytes_expert
     gib = 2**30
     return {"weights": weights / gib, "grads": grads / gib, "optimizer": optim / gib,
             "total": (weights + grads + optim) / gib}

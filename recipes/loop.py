@@ -220,9 +220,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     progress = ckpt.Progress()
     if plan.path is not None:
         loaded, progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
-        _print0(f"resumed from {loaded} at step {progress.step}")
-        if dist.get_rank() == 0:
-            resume_lib.trim_metrics(run_dir, progress.step)
+        _print0(f"resumed from {loaded} at step {progress.step}")  # MetricsLogger trims later steps
     elif t.load:
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")

@@ -64,17 +64,46 @@ def _parameter_groups(model: nn.Module) -> tuple[list[tuple[int, int]], dict[str
     return [tuple(layers[i]) for i in sorted(layers)], {k: tuple(v) for k, v in parts.items()}
 
 
+@dataclass(frozen=True)
+class RankSizes:
+    """The parallel sizes a rank's share of the model depends on, and bytes per weight."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int  # data parallel (dense parameters' optimizer shards)
+    edp: int  # expert data parallel (expert parameters' optimizer shards)
+    weight_bytes: int
+    distributed_optimizer: bool
+
+    @classmethod
+    def of(cls, cfg: Any) -> "RankSizes":
+        p = cfg.parallelism
+        world = p.nodes * p.gpus_per_node
+        tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+        etp = p.expert_tensor_parallel_size or tp
+        return cls(tp, pp, ep, etp, dp=max(world // (tp * pp * p.context_parallel_size), 1),
+                   edp=max(world // (ep * etp * pp), 1),
+                   weight_bytes=2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4,
+                   distributed_optimizer=p.use_distributed_optimizer)
+
+    @property
+    def adam_bytes_dense(self) -> float:
+        """fp32 master, m and v (12 B) per dense parameter on one rank."""
+        return 12 / (self.dp if self.distributed_optimizer else 1)
+
+    @property
+    def adam_bytes_expert(self) -> float:
+        return 12 / (self.edp if self.distributed_optimizer else 1)
+
+
 def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
     """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
     m, p, t = cfg.model, cfg.parallelism, cfg.train
-    world = p.nodes * p.gpus_per_node
-    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    etp = p.expert_tensor_parallel_size or tp
-    dp = max(world // (tp * pp * p.context_parallel_size), 1)
-    edp = max(world // (ep * etp * pp), 1)
-    wbytes = 2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4
-    opt_dense = 12 / (dp if p.use_distributed_optimizer else 1)
-    opt_expert = 12 / (edp if p.use_distributed_optimizer else 1)
+    r = RankSizes.of(cfg)
+    tp, pp, ep, etp, dp, wbytes = r.tp, r.pp, r.ep, r.etp, r.dp, r.weight_bytes
+    opt_dense, opt_expert = r.adam_bytes_dense, r.adam_bytes_expert
     per_layer, parts = _parameter_groups(model)
     sizes = stage_layers(m.num_layers, pp, p.num_layers_in_first_pipeline_stage,
                          p.num_layers_in_last_pipeline_stage)

@@ -133,8 +133,10 @@ def _truncate_after(path: Path, step: int) -> None:
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line + "\n")
         except (ValueError, AttributeError):
-            continue
-    path.write_text("".join(kept))
+            continue  # a line cut by the kill that interrupted the run
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)  # a kill during the trim leaves the old file whole
 
 
 def _wandb_id(run_dir: Path) -> str:

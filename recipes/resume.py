@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -197,20 +195,3 @@ def resume(plan: ResumePlan, model: Any, optimizer: Any, scheduler: Any,
             raise CheckpointError(f"{failure}{offer}") from failure
         say(f"checkpoint {path} is unusable ({failure}); resuming from {order[i + 1]} instead")
     raise CheckpointError("no checkpoint to resume from")  # only when plan.path is None
-
-
-def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop ``metrics.jsonl`` records after ``step`` (those of steps a resumed run redoes)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by the kill that interrupted the run
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)

@@ -32,12 +32,12 @@ import argparse
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
 from kpool_layers import _cpu
-from timing import OOM, init_single_rank, measure
+from timing import init_single_rank, measure
 
 BACKENDS = ("torch", "tilelang", "triton", "megatron")
 
