@@ -31,7 +31,7 @@ class UnknownKeyError(ConfigError):
     def __init__(self, key: str, value: Any) -> None:
         self.suggestion = suggest(key)
         hint = (f"did you mean {self.suggestion}?" if self.suggestion
-                else "`python train.py --cfg job` prints every key")
+                else "`python train.py --cfg job` prints every key.")
         super().__init__(key, value, f"keys of the schema (recipes/schema.py); {hint}",
                          f"unknown config key {key} (in {key}={value!r}): {hint} Unknown keys are "
                          "errors, also with + or ++, because nothing would read them.")

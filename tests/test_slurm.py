@@ -216,7 +216,7 @@ def test_usr1_requeues_a_sweep_element_which_resumes_to_the_same_loss(tmp_path: 
 
 @pytest.mark.parametrize(
     "args, error",
-    [(("train.no_such_key=1",), "Could not override 'train.no_such_key'"),
+    [(("train.no_such_key=1",), "unknown config key train.no_such_key"),
      (("-m", "train.lr=1,2"), "one run per job")],
 )
 def test_bad_input_fails_the_job_with_the_error_in_its_log(
