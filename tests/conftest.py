@@ -62,3 +62,16 @@ def _reset_moe_aux_loss_scale():
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
     yield
     MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Every test ends with the environment it started with: code under test sets variables
+    (``KPOOL_RUN_ID`` when a run is selected, ``MASTER_ADDR``/``MASTER_PORT`` at process-group
+    start) and a later test's subprocess (e.g. an sbatch job, which exports its environment) must
+    not inherit them; ``monkeypatch.delenv`` of an absent key records nothing to undo."""
+    saved = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(saved):
+        del os.environ[key]
+    os.environ.update(saved)
