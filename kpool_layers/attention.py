@@ -33,7 +33,15 @@ sums over the heads of all ranks. The indexer sees the SP-gathered, detached ``x
 Packed THD (``packed_seq_params.qkv_format == 'thd'``, b == 1): positions restart at every document
 of ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when set, as megatron) and no query attends across a
 document boundary. ``attention_mask`` is not read: attention is causal by construction and confined
-to documents only through ``packed_seq_params``. Context parallelism is not supported.
+to documents only through ``packed_seq_params``.
+
+Context parallelism (``context_parallel_size > 1``, :mod:`kpool_layers.context_parallel`): the
+layer gets this CP rank's rows of megatron's load-balanced split (two chunks of the row) and keeps
+its queries local; the latent KV and ``k_pe`` (after the TP/SP gather) are gathered from all CP
+ranks into sequence order, so every query attends over the selected keys of the whole row (their
+gradient is reduce-scattered back). Positions, document boundaries (``cu_seqlens`` describe the
+whole row) and the indexer's keys are global; the sparse-MLA core attention gets each query's
+position (``query_pos``).
 
 IndexShare (``dsa_indexer_topk_freq > 1``): the config's ``computes_topk`` / ``topk_source_layer``
 (:mod:`kpool_layers.model_facts`, megatron's rule) decide the layers that compute top-k; skip layers
@@ -68,6 +76,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.context_parallel import cp_size, gather_sequence, query_positions
 from kpool_layers.core_attention import CORE_ATTENTION
 from kpool_layers.dsa_kernels import range_topk_kernel
 from kpool_layers.indexer import DSAIndexer
@@ -178,7 +187,8 @@ class GLMSparseMLASubmodules:
 class GLMSparseMLA(MegatronModule):
     """Absorbed MLA with DSA sparse attention; see the module docstring for the math.
 
-    ``forward(hidden_states [s/TP if SP else s, b, h], ...)`` -> ``(output [same shape], None)``.
+    ``forward(hidden_states [s_cp/TP if SP else s_cp, b, h], ...)`` -> ``(output [same shape], None)``
+    with ``s_cp = s / context_parallel_size`` (this CP rank's rows).
 
     Built by megatron's ``TransformerLayer`` from :func:`glm_attention_spec`: ``topk_share`` and
     ``attn_mask_type`` come from the spec's params; ``cp_comm_type``, ``pp_layer_offset`` and
@@ -205,6 +215,7 @@ class GLMSparseMLA(MegatronModule):
         self.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=["tp", "cp"])
         self.tp_group = self.pg_collection.tp
+        self.cp_group = self.pg_collection.cp
         tp_size = get_pg_size(self.tp_group)
         self.sequence_parallel = config.sequence_parallel and tp_size > 1
         self.local_heads = config.num_attention_heads // tp_size
@@ -280,7 +291,7 @@ class GLMSparseMLA(MegatronModule):
     ) -> tuple[torch.Tensor, None]:
         """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``.
 
-        ``s_local = s / TP`` under sequence parallelism. Only ``packed_seq_params`` (THD) changes
+        ``s_local = s_cp / TP`` under sequence parallelism, else ``s_cp`` (this CP rank's rows). Only ``packed_seq_params`` (THD) changes
         the computation; ``attention_mask`` and ``position_ids`` are not read (causal, positions
         from ``packed_seq_params``); inference, cross-attention and external rotary are rejected.
         """
@@ -302,9 +313,13 @@ class GLMSparseMLA(MegatronModule):
         kv = self._down(self.linear_kv_down_proj, hidden_states,
                         cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim)
         kv_latent, k_pe = kv.split([cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
-        kv_latent = self._full_sequence(self.kv_layernorm(kv_latent))  # [s, b, r]
-        s, b = kv_latent.shape[:2]
-        positions, doc_start = document_positions(s, cu_seqlens, kv_latent.device)
+        kv_latent = self._full_sequence(self.kv_layernorm(kv_latent))  # [s_cp, b, r]
+        s, b = kv_latent.shape[:2]  # this CP rank's query rows
+        query_pos = query_positions(s, self.cp_group, kv_latent.device)  # None without CP
+        s_kv = s * cp_size(self.cp_group)  # keys: the whole row
+        key_positions, doc_start = document_positions(s_kv, cu_seqlens, kv_latent.device)
+        positions = key_positions if query_pos is None else key_positions[query_pos]
+        key_start = doc_start if query_pos is None else doc_start[query_pos]
 
         q, _ = self.linear_q_up_proj(q_latent)  # [s, b, n_l * qk]
         q = q.view(s, b, self.local_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
@@ -317,16 +332,18 @@ class GLMSparseMLA(MegatronModule):
             query = torch.cat([query, rotate(q_pe)], dim=-1)
             k_pe = self._full_sequence(k_pe).unsqueeze(2)
             key = torch.cat([key, rotate(k_pe)], dim=-1)
+        key = gather_sequence(key, self.cp_group)  # [s_kv, b, 1, d_k]
 
         topk_indices, indexer_out = self._topk(hidden_states, q_latent, positions, cu_seqlens,
                                                packed_seq_params)
         slot_mass = None  # the sparse indexer-loss target, from the attention's own forward
         if (indexer_out is not None and cfg.dsa_indexer_use_sparse_loss
                 and self.core_attention.provides_slot_probs):
-            latent_out, slot_mass = self.core_attention(query, key, topk_indices, doc_start,
-                                                        return_slot_probs=True)
+            latent_out, slot_mass = self.core_attention(query, key, topk_indices, key_start,
+                                                        query_pos, return_slot_probs=True)
         else:
-            latent_out = self.core_attention(query, key, topk_indices, doc_start)  # [s, b, n_l, r]
+            latent_out = self.core_attention(query, key, topk_indices, key_start,
+                                             query_pos)  # [s, b, n_l, r]
         if indexer_out is not None:
             loss = indexer_kl_loss(self.indexer, indexer_out, query, key, self.softmax_scale,
                                    sparse=cfg.dsa_indexer_use_sparse_loss, cu_seqlens=cu_seqlens,
@@ -387,8 +404,9 @@ class GLMSparseMLA(MegatronModule):
         return out.topk_indices, (out if with_loss else None)
 
     def _record_loss(self, loss: torch.Tensor) -> None:
-        """Accumulate the KL (``loss / dsa_indexer_loss_coeff``) for ``collect_indexer_losses``."""
-        kl = loss.detach() / self.config.dsa_indexer_loss_coeff
+        """Accumulate the KL per query of this rank's rows (``loss / dsa_indexer_loss_coeff``,
+        whose mean is over the whole row, times the CP size) for ``collect_indexer_losses``."""
+        kl = loss.detach() / self.config.dsa_indexer_loss_coeff * cp_size(self.cp_group)
         self._loss_sum = kl if self._loss_sum is None else self._loss_sum + kl
         self._loss_count += 1
 
@@ -430,8 +448,6 @@ def _check_config(config: GLMTransformerConfig, attn_mask_type: AttnMaskType) ->
         raise ValueError("GLMSparseMLA has no linear biases; set add_bias_linear=False")
     if not config.dsa_indexer_topk:
         raise ValueError("GLMSparseMLA needs dsa_indexer_topk > 0")
-    if config.context_parallel_size > 1:
-        raise ValueError("GLMSparseMLA does not support context parallelism")
     if attn_mask_type != AttnMaskType.causal:
         raise ValueError(f"GLMSparseMLA is causal self-attention, got {attn_mask_type}")
 

@@ -17,6 +17,13 @@ All projections are plain linears duplicated on every TP rank (the indexer sees 
 SP-gathered sequence); their parameters carry megatron's ``average_gradients_across_tp_domain``
 so ``finalize_model_grads`` averages their gradients over TP.
 
+Context parallelism (:mod:`kpool_layers.context_parallel`): the indexer gets this CP rank's rows
+(queries at the rank's positions of the load-balanced split); its token keys (after rotary and
+rotation) and KPool gates are gathered from all CP ranks into sequence order (gradients
+reduce-scattered back), so each local query scores every key of the row it may see; pools and
+document boundaries (``cu_seqlens`` of the whole row) are global, and the output's ``layout`` holds
+this rank's query rows (:meth:`PoolLayout.for_queries`).
+
 Precision (``docs/precision.md``): ``index_quant`` (set by the precision setup from
 ``precision.dsa_indexer_kpool_use_quantization``) scores with the serving engines' quantized index
 inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every scored
@@ -38,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.context_parallel import gather_sequence, query_positions
 from kpool_layers.dsa_kernels import RangeTopK, range_topk_kernel
 from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
@@ -50,17 +58,18 @@ class IndexerOutput:
     """What the indexer hands to the sparse attention and to the indexer loss."""
 
     topk_indices: Tensor
-    """int64 [b, s, W], W = ``config.dsa_indexer_output_width``: key positions within the batch
-    row, -1 = empty slot."""
+    """int64 [b, s_q, W], W = ``config.dsa_indexer_output_width``: key positions within the batch
+    row, -1 = empty slot (``s_q``: this rank's query rows, the whole row ``s`` without CP)."""
     q: Tensor
-    """[s, b, n_heads, head_dim] index queries (grad to the q projection)."""
+    """[s_q, b, n_heads, head_dim] index queries (grad to the q projection)."""
     weights: Tensor
-    """[s, b, n_heads] per-head weights, scale included (FP32 when kpool > 1)."""
+    """[s_q, b, n_heads] per-head weights, scale included (FP32 when kpool > 1)."""
     keys: Tensor
-    """[n, b, head_dim] the keys that were scored: token keys (n = s, kpool = 1) or pooled keys
-    (n = pools of the row, kpool > 1); grad to the key projection, norm, gate and ape."""
+    """[n, b, head_dim] the keys that were scored: token keys of the whole row (n = s, kpool = 1)
+    or pooled keys (n = pools of the row, kpool > 1); grad to the key projection, norm, gate and
+    ape."""
     layout: PoolLayout
-    """Where the pools are and which ones each query sees (the same for every batch row)."""
+    """Where the pools are and which ones each query row sees (the same for every batch row)."""
 
 
 # --- precision: serving-quantized scoring and top-k drift capture ------------------------------
@@ -85,8 +94,8 @@ class IndexerNumerics:
 class DriftCapture:
     """One indexer forward, kept for the drift recomputation (all detached).
 
-    ``hidden [s, b, hidden]``, ``q_latent [s, b, q_lora_rank]``, ``rotary_fn``, ``cu_seqlens`` are
-    the forward's inputs; ``scored`` the training path's selection and scoring inputs."""
+    ``hidden [s_q, b, hidden]``, ``q_latent [s_q, b, q_lora_rank]``, ``rotary_fn``, ``cu_seqlens``
+    are the forward's inputs; ``scored`` the training path's selection and scoring inputs."""
 
     hidden: Tensor
     q_latent: Tensor
@@ -99,8 +108,8 @@ class DriftCapture:
 class ScoredSelection:
     """A selection and exactly what was scored to make it (detached).
 
-    ``topk_indices`` int64 ``[b, s, W]``; ``q [s, b, h, d]`` and ``keys [n, b, d]`` as scored
-    (dequantized FP32 under ``index_quant``); ``weights [s, b, h]``; ``layout``."""
+    ``topk_indices`` int64 ``[b, s_q, W]``; ``q [s_q, b, h, d]`` and ``keys [n, b, d]`` as scored
+    (dequantized FP32 under ``index_quant``); ``weights [s_q, b, h]``; ``layout``."""
 
     topk_indices: Tensor
     q: Tensor
@@ -109,7 +118,7 @@ class ScoredSelection:
     layout: PoolLayout
 
     def scores(self, row: int, relu: bool, chunk_size: int) -> Tensor:
-        """FP32 ``[s, n]`` index scores of batch row ``row`` (``chunk_size`` queries at a time),
+        """FP32 ``[s_q, n]`` index scores of batch row ``row`` (``chunk_size`` queries at a time),
         ``-inf`` where a query cannot see the key (causal / other document / incomplete pool)."""
         lay = self.layout
         cols = torch.arange(lay.n_pools, device=self.q.device)
@@ -187,7 +196,8 @@ class DSAIndexer(MegatronModule):
             )
         for param in self.parameters():
             param.average_gradients_across_tp_domain = True  # type: ignore[attr-defined]
-        self.tp_group = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"]).tp
+        groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+        self.tp_group, self.cp_group = groups.tp, groups.cp
         # --- precision (set by recipes.precision_setup / recipes.drift_logging) ---
         self.index_quant: Optional[str] = None
         """Serving scale format (ue8m0 | amax) to score with serving-quantized inputs; None = off."""
@@ -222,10 +232,12 @@ class DSAIndexer(MegatronModule):
         """Index queries/keys/weights and the top-k selection.
 
         Args:
-            hidden: [s, b, hidden] the full sequence (already gathered from SP).
-            q_latent: [s, b, q_lora_rank] the RMS-normalised MLA query latent.
-            rotary_fn: applies rotary to [s, b, n, qk_pos_emb_head_dim]; None iff NoPE.
-            cu_seqlens: int32 [n_docs + 1] packed THD boundaries (then b == 1).
+            hidden: [s_q, b, hidden] this CP rank's rows (the full sequence without CP), already
+                gathered from SP.
+            q_latent: [s_q, b, q_lora_rank] the RMS-normalised MLA query latent.
+            rotary_fn: applies rotary (at the rows' positions) to [s_q, b, n,
+                qk_pos_emb_head_dim]; None iff NoPE.
+            cu_seqlens: int32 [n_docs + 1] packed THD boundaries of the whole row (then b == 1).
         """
         if (rotary_fn is None) != (self.rope_dim == 0):
             raise ValueError(
@@ -275,7 +287,7 @@ class DSAIndexer(MegatronModule):
         """The indexer computation; ``numerics=None`` is the training path (routed linears,
         ``config.dsa_indexer_k_norm_fp32``, ``self.index_quant``)."""
         cfg = self.config
-        s, b, _ = hidden.shape
+        s, b, _ = hidden.shape  # this CP rank's rows
         qk_dtype = numerics.qk_dtype if numerics else None
         quant = numerics.index_quant if numerics else self.index_quant
         k_norm_fp32 = numerics.k_norm_fp32 if numerics else cfg.dsa_indexer_k_norm_fp32
@@ -286,6 +298,7 @@ class DSAIndexer(MegatronModule):
         k = self._rope(k.view(s, b, 1, self.head_dim), rotary_fn).view(s, b, self.head_dim)
         if cfg.dsa_indexer_rotate_activation and quant is None:
             q, k = rotate_activation(q), rotate_activation(k)
+        k = gather_sequence(k, self.cp_group)  # [s_kv, b, head_dim], the whole row
         scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.kpool > 1:
             dtype = score_dtype(hidden.dtype)  # FP32 (FP64 stays FP64)
@@ -296,9 +309,13 @@ class DSAIndexer(MegatronModule):
         # Serving-quantized scoring inputs (its Hadamard replaces rotate_activation).
         q_scored = serving_index_quant(q, quant) if quant is not None else q
 
-        layout = pool_layout(s, self.kpool, cu_seqlens, device=hidden.device)
+        layout = pool_layout(k.shape[0], self.kpool, cu_seqlens, device=hidden.device)
+        positions = query_positions(s, self.cp_group, hidden.device)
+        if positions is not None:
+            layout = layout.for_queries(positions)
         if self.kpool > 1:
-            gate = self._project(self.index_kpool_compress_gate, hidden, qk_dtype)  # [s, b, head_dim]
+            gate = gather_sequence(self._project(self.index_kpool_compress_gate, hidden, qk_dtype),
+                                   self.cp_group)  # [s_kv, b, head_dim]
         keys, scored_keys, indices = [], [], []
         for row in range(b):
             row_keys = k[:, row]

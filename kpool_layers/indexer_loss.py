@@ -13,6 +13,12 @@ sparse target, so no second pass over the main attention is needed; it is summed
 per pool over its ``kpool`` slots (the tail is not a pool) and normalised exactly as the recomputed
 one.
 
+Context parallelism: the queries (``main_query``, the indexer's ``q``/``weights`` and its layout's
+rows) are this CP rank's, the keys (``main_key``, the indexer's ``keys``) the whole row's. Each
+rank's loss is its queries' KL summed over the mean's global denominator (all ``b * s`` rows of all
+ranks): megatron's schedules scale the auxiliary loss's gradient by the CP size and DDP averages
+over the data-parallel x CP ranks, so the gradient is exactly that of the whole row's mean.
+
 Memory: queries are processed in chunks of ``config.dsa_indexer_query_chunk_size``; each chunk is
 activation-checkpointed, so nothing of size ``[s, s]`` (or ``[s, s / kpool]``) is kept for
 backward; the no-grad target of a chunk is recomputed in backward.
@@ -58,31 +64,32 @@ def _chunk_kl(
     sparse: bool,
     tp_group: Optional[dist.ProcessGroup],
 ) -> Tensor:
-    """Summed KL of queries ``start .. start + c`` of one row.
+    """Summed KL of query rows ``start .. start + c`` of one row.
 
     q [c, h, d], weights [c, h], keys [n, d] (all of the row's index keys), main_query [c, nh, dk],
-    main_key [s, dk], selected [c, W] token indices (-1 = none). ``windows`` = (first token, first
-    pool, one past the last pool) any of the chunk's queries can see. ``slot_mass`` [c, W] (sparse
+    main_key [s_kv, dk], selected [c, W] token indices (-1 = none). ``windows`` = (first token,
+    one past the last token, first pool, one past the last pool) any of the chunk's queries can see. ``slot_mass`` [c, W] (sparse
     only): the attention probability of every selected slot summed over all heads, which replaces
     the recomputation of the main attention."""
     c = q.shape[0]
-    t_lo, p_lo, p_hi = windows
+    t_lo, t_hi, p_lo, p_hi = windows
     dev = q.device
-    query = torch.arange(start, start + c, device=dev)
+    query = torch.arange(start, start + c, device=dev)  # rows of the layout
     if slot_mass is not None:
         with torch.no_grad():
             target, pool_ok = _target_from_slots(slot_mass, selected, layout, query, p_lo, p_hi)
         return _kl(q, weights, keys, target, pool_ok, p_lo, p_hi, relu)
     with torch.no_grad():
-        tokens = torch.arange(t_lo, start + c, device=dev)
-        token_ok = (tokens >= layout.doc_start[query, None]) & (tokens <= query[:, None])  # [c, tw]
+        tokens = torch.arange(t_lo, t_hi, device=dev)
+        position = layout.query_pos[query, None]
+        token_ok = (tokens >= layout.doc_start[query, None]) & (tokens <= position)  # [c, tw]
         if sparse:
             tw = tokens.numel()
             hit = torch.zeros(c, tw + 1, dtype=torch.bool, device=dev)
             hit.scatter_(1, torch.where(selected >= 0, selected - t_lo, tw), True)
             token_ok &= hit[:, :tw]
         dtype = score_dtype(main_query.dtype)
-        logits = torch.einsum("cnd,td->cnt", main_query.to(dtype), main_key[t_lo : start + c].to(dtype))
+        logits = torch.einsum("cnd,td->cnt", main_query.to(dtype), main_key[t_lo:t_hi].to(dtype))
         probs = torch.softmax(_masked_fill_min(logits * softmax_scale, token_ok[:, None]), dim=-1)
         mass = (probs * token_ok[:, None]).sum(dim=1)  # [c, tw], summed over local heads
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
@@ -148,18 +155,20 @@ def indexer_kl_loss(
     Args:
         indexer: the layer that produced ``out`` (config, TP group).
         out: the indexer's output for this sequence.
-        main_query: [s, b, n, d_k] the main (absorbed, MQA) attention's queries (TP-local heads).
-        main_key: [s, b, 1, d_k] the main attention's latent keys.
+        main_query: [s_q, b, n, d_k] the main (absorbed, MQA) attention's queries (TP-local heads;
+            this CP rank's rows, ``out.layout``'s).
+        main_key: [s, b, 1, d_k] the main attention's latent keys (the whole row).
         softmax_scale: the main attention's softmax scale.
         sparse: restrict target and prediction to the selected keys (pools).
         cu_seqlens: int [n_docs + 1] packed THD boundaries (b == 1); must match the indexer call
             (``out.layout`` already encodes them).
-        slot_mass: fp32 [b, s, W] (``sparse`` only) the main attention's probability of every slot
+        slot_mass: fp32 [b, s_q, W] (``sparse`` only) the main attention's probability of every slot
             of ``out.topk_indices`` summed over this rank's heads, from the attention's forward;
             summed over TP here. None: recompute the main attention.
 
     Returns:
-        Scalar loss (the mean is over all ``b * s`` query rows, megatron's convention) scaled by
+        Scalar loss (the mean is over all ``b * s`` query rows of the row, megatron's convention;
+        under CP this rank's share of it) scaled by
         ``config.dsa_indexer_loss_coeff`` (0 when unset), with gradient to the indexer's q, weight
         and key projections, key norm, and KPool gate (and ape when trainable).
     """
@@ -168,9 +177,10 @@ def indexer_kl_loss(
         raise ValueError(f"packed THD input needs batch size 1, got {main_query.shape[1]}")
     main_query, main_key = main_query.detach(), main_key.detach()
     s, b = main_query.shape[:2]
+    s_kv = main_key.shape[0]
     layout = out.layout
-    expected = pool_layout(s, layout.kpool, cu_seqlens, device=layout.doc_start.device)
-    if not torch.equal(expected.doc_start, layout.doc_start):
+    expected = pool_layout(s_kv, layout.kpool, cu_seqlens, device=layout.doc_start.device)
+    if not torch.equal(expected.doc_start[layout.query_pos], layout.doc_start):
         raise ValueError("cu_seqlens differ from the ones the indexer output was computed with")
     if slot_mass is not None:
         if not sparse:
@@ -181,14 +191,16 @@ def indexer_kl_loss(
             slot_mass = slot_mass.clone()
             dist.all_reduce(slot_mass, group=tp)  # heads are split over TP ranks
     chunk = cfg.dsa_indexer_query_chunk_size
-    doc_start, lo, hi = layout.doc_start.cpu(), layout.query_lo.cpu(), layout.query_hi.cpu()
+    doc_start, position = layout.doc_start.cpu(), layout.query_pos.cpu()
+    lo, hi = layout.query_lo.cpu(), layout.query_hi.cpu()
     total = main_query.new_zeros((), dtype=score_dtype(out.q.dtype))
     for row in range(b):
         for start in range(0, s, chunk):
             end = min(start + chunk, s)
             rows = slice(start, end)
-            windows = (int(doc_start[rows].min()), int(lo[rows].min()), int(hi[rows].max()))
-            if windows[2] <= windows[1]:
+            windows = (int(doc_start[rows].min()), int(position[rows].max()) + 1,
+                       int(lo[rows].min()), int(hi[rows].max()))
+            if windows[3] <= windows[2]:
                 continue  # no query of the chunk sees a key (pool) yet
             total = total + checkpoint(
                 _chunk_kl,
@@ -208,4 +220,4 @@ def indexer_kl_loss(
                 tp_group=indexer.tp_group,
                 use_reentrant=False,
             )
-    return total / (b * s) * (cfg.dsa_indexer_loss_coeff or 0.0)
+    return total / (b * s_kv) * (cfg.dsa_indexer_loss_coeff or 0.0)

@@ -36,18 +36,29 @@ class PoolLayout:
     """Where the pools of one row of ``t`` tokens are and which pools each query sees.
 
     Pools of all documents are numbered back to back (document 0's pools first). For ``kpool == 1``
-    pools are tokens."""
+    pools are tokens. The per-query fields have one entry per query row: ``t_q = t`` rows in token
+    order from :func:`pool_layout`, or the rows of :meth:`for_queries` (a context-parallel rank's
+    queries, at positions ``query_pos``)."""
 
     kpool: int
     pool_start: Tensor  # int64 [n_pools], first token of every complete pool
-    doc_start: Tensor  # int64 [t], first token of the token's document
-    query_lo: Tensor  # int64 [t], first pool the query sees (its document's first pool)
-    query_hi: Tensor  # int64 [t], one past the last complete pool the query sees
-    tail_start: Tensor  # int64 [t], first token of the query's incomplete pool
+    doc_start: Tensor  # int64 [t_q], first token of the query's document
+    query_lo: Tensor  # int64 [t_q], first pool the query sees (its document's first pool)
+    query_hi: Tensor  # int64 [t_q], one past the last complete pool the query sees
+    tail_start: Tensor  # int64 [t_q], first token of the query's incomplete pool
+    query_pos: Tensor  # int64 [t_q], the query's token position in the row
 
     @property
     def n_pools(self) -> int:
         return self.pool_start.numel()
+
+    def for_queries(self, positions: Tensor) -> PoolLayout:
+        """The layout of query rows at token ``positions`` (int64 ``[t_q]``) of a layout in token
+        order; the pools are unchanged."""
+        return PoolLayout(kpool=self.kpool, pool_start=self.pool_start,
+                          doc_start=self.doc_start[positions], query_lo=self.query_lo[positions],
+                          query_hi=self.query_hi[positions], tail_start=self.tail_start[positions],
+                          query_pos=self.query_pos[positions])
 
 
 def pool_layout(
@@ -83,6 +94,7 @@ def pool_layout(
         query_lo=pool_cu[doc],
         query_hi=pool_cu[doc] + seen,
         tail_start=cu[doc] + seen * kpool,
+        query_pos=tok,
     )
 
 
@@ -97,7 +109,7 @@ def pool_keys(k: Tensor, gate: Tensor, ape: Tensor, layout: PoolLayout) -> Tenso
 
 
 def expand_pools(pools: Tensor, layout: PoolLayout) -> Tensor:
-    """Pool indices [t, P] (-1 = none) -> their token indices [t, P * kpool] (-1 = none)."""
+    """Pool indices [t_q, P] (-1 = none) -> their token indices [t_q, P * kpool] (-1 = none)."""
     slot = torch.arange(layout.kpool, device=pools.device)
     tokens = layout.pool_start[pools.clamp_min(0)][..., None] + slot  # [t, P, kpool]
     tokens = torch.where(pools[..., None] >= 0, tokens, -1)
@@ -105,9 +117,8 @@ def expand_pools(pools: Tensor, layout: PoolLayout) -> Tensor:
 
 
 def tail_tokens(layout: PoolLayout) -> Tensor:
-    """Tokens [t, kpool - 1] of every query's incomplete pool, ``tail_start .. query``, -1 padded."""
-    t = layout.tail_start.numel()
-    query = torch.arange(t, device=layout.tail_start.device)
+    """Tokens [t_q, kpool - 1] of every query's incomplete pool, ``tail_start .. query``, -1 padded."""
+    query = layout.query_pos
     tokens = layout.tail_start[:, None] + torch.arange(layout.kpool - 1, device=query.device)
     return torch.where(tokens <= query[:, None], tokens, -1)
 

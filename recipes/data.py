@@ -36,6 +36,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as ps
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import compile_helpers, get_blend_from_list
@@ -45,6 +46,7 @@ from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
     MegatronTokenizerTextAbstract,
 )
 from megatron.core.tokenizers.text.models import GPTTokenizer
+from megatron.core.utils import get_batch_on_this_cp_rank
 from tokenizers import Tokenizer
 
 from recipes.schema import ConfigError
@@ -333,3 +335,16 @@ def packed_seq_params_from_eod(tokens: torch.Tensor, eod_id: int) -> PackedSeqPa
         max_seqlen_kv=max_seqlen,
     )
 
+
+
+def context_parallel_slice(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This context-parallel rank's part of a micro batch ``{key: [b, s, ...]}``: megatron's
+    load-balanced per-sequence split (``get_batch_on_this_cp_rank`` with per-sequence balancing;
+    rank ``r`` keeps chunks ``r`` and ``2 * CP - 1 - r`` of ``2 * CP``), the order
+    :mod:`kpool_layers.context_parallel` assumes. Packed rows split the same way (documents may
+    straddle ranks; build their ``PackedSeqParams`` from the whole row first). A new dict (the
+    batch itself without CP)."""
+    if ps.get_context_parallel_world_size() == 1:
+        return batch
+    return get_batch_on_this_cp_rank(dict(batch), is_hybrid_cp=False, cp_group=ps.get_context_parallel_group(),
+                                     use_per_sequence_balancing=True)

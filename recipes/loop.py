@@ -179,18 +179,31 @@ def _batches(cfg: Any, consumed: int, tokenizer: MegatronTokenizerBase) -> data_
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Token-mean cross entropy: (sum of losses, token count, [sum, count] for reporting)."""
+    """Token-mean cross entropy: (sum of losses, token count, [sum, count] for reporting).
+
+    Under context parallelism each rank holds part of the tokens: it returns ``CP *`` its loss
+    sum over the token count of all CP ranks, so that DDP's average over the data-parallel x CP
+    ranks is the row's token mean (megatron's schedules divide by the count they get)."""
     mask = loss_mask.reshape(-1).float()
     loss_sum = (output.float().reshape(-1) * mask).sum()
-    tokens = mask.sum().to(torch.int)
-    return loss_sum, tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+    report = {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+    tokens = mask.sum()
+    cp = ps.get_context_parallel_world_size()
+    if cp > 1:
+        tokens = tokens.clone()
+        dist.all_reduce(tokens, group=ps.get_context_parallel_group())
+        loss_sum = loss_sum * cp
+    return loss_sum, tokens.to(torch.int), report
 
 
 def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
                  model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``)."""
+    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
+    this context-parallel rank's part of it (:func:`recipes.data.context_parallel_slice`; the
+    packed documents' boundaries describe the whole row)."""
     batch = {k: v.to(device) for k, v in next(data_iterator).items() if k != "attention_mask"}
     packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
+    batch = data_lib.context_parallel_slice(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=packed)
     return output, partial(_loss, batch["loss_mask"])

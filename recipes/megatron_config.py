@@ -84,6 +84,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         num_layers_in_first_pipeline_stage=par.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=par.num_layers_in_last_pipeline_stage,
         context_parallel_size=par.context_parallel_size,
+        # Our DSA's CP gathers the keys of the whole row (megatron's DSA allows only this type).
+        cp_comm_type="all_gather" if par.context_parallel_size > 1 else None,
         expert_model_parallel_size=par.expert_model_parallel_size,
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         sequence_parallel=sequence_parallel(par),

@@ -10,7 +10,10 @@ Activations are an estimate, not a measurement: per token and layer ``34 * h / T
 (Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
 recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
 expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
-plus the last stage's logits (bf16 + fp32 for the loss). A stage fits a GPU if its total is at
+plus the last stage's logits (bf16 + fp32 for the loss). Under context parallelism a rank holds
+``seq_length / CP`` tokens of every micro batch, and every layer also keeps the whole row's keys it
+gathered from the CP ranks for backward: the latent KV (``kv_lora_rank + qk_pos_emb_head_dim``)
+and the indexer keys (``dsa_indexer_head_dim``, twice with the KPool gate). A stage fits a GPU if its total is at
 most :data:`USABLE` of the memory (CUDA context, NCCL buffers and fragmentation take the rest).
 """
 
@@ -108,7 +111,13 @@ def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
     sizes = stage_layers(m.num_layers, pp, p.num_layers_in_first_pipeline_stage,
                          p.num_layers_in_last_pipeline_stage)
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
-    tokens = t.micro_batch_size * cfg.data.seq_length
+    cp = p.context_parallel_size
+    tokens = t.micro_batch_size * cfg.data.seq_length // cp  # this CP rank's
+    gathered = 0.0  # bytes per layer and micro batch: the whole row's keys gathered over CP
+    if cp > 1:
+        index_keys = m.dsa_indexer_head_dim * (2 if m.dsa_indexer_kpool > 1 else 1)
+        gathered = (t.micro_batch_size * cfg.data.seq_length * wbytes
+                    * (m.kv_lora_rank + m.qk_pos_emb_head_dim + index_keys))
     stages, start = [], 0
     for stage, count in enumerate(sizes):
         groups = per_layer[start:start + count]
@@ -121,7 +130,7 @@ def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
         moe_layers = sum(1 for g in per_layer[start:start + count] if g[1])
         per_token = count * 34 * m.hidden_size / tp + moe_layers * 6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp
         in_flight = min(pp - stage, micro_batches)
-        activations = per_token * tokens * in_flight
+        activations = (per_token * tokens + count * gathered) * in_flight
         if stage == pp - 1:
             activations += tokens * m.vocab_size / tp * 6
         stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
@@ -135,9 +144,12 @@ def report(cfg: Any, model: nn.Module) -> list[str]:
     p = cfg.parallelism
     stages = plan(cfg, model)
     lines = [f"per-GPU memory by pipeline stage at TP={p.tensor_model_parallel_size} "
-             f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} on "
-             f"{p.nodes}x{p.gpus_per_node} GPUs (micro batch {cfg.train.micro_batch_size} x seq "
-             f"{cfg.data.seq_length}; activations estimated, see recipes/memory_plan.py):"]
+             f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} "
+             f"CP={p.context_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs (micro batch "
+             f"{cfg.train.micro_batch_size} x seq {cfg.data.seq_length}"
+             + (f", {cfg.data.seq_length // p.context_parallel_size} tokens per CP rank"
+                if p.context_parallel_size > 1 else "")
+             + "; activations estimated, see recipes/memory_plan.py):"]
     for s in stages:
         lines.append(f"  stage {s.stage}: {s.layers} layers | weights {s.weights:.1f} | grads {s.grads:.1f} | "
                      f"optimizer {s.optimizer:.1f} | activations {s.activations:.1f} | total {s.total:.1f} GiB")

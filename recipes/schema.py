@@ -452,9 +452,9 @@ def _check_rules(cfg: Any, world_size: int) -> None:
                       p.context_parallel_size, p.expert_model_parallel_size)
     _require(m.num_attention_heads % tp == 0, "parallelism.tensor_model_parallel_size", tp,
              _divisors_of(m.num_attention_heads) + " = model.num_attention_heads' divisors")
-    _require(cp == 1, "parallelism.context_parallel_size", cp,
-             "1 (the sparse MLA attention has no context-parallel path yet)")
     _check_world_size(world_size, tp, pp, cp)
+    if cp > 1:
+        _check_context_parallel(m, d, cp, tp if tp > 1 and p.sequence_parallel is not False else 1)
     _check_stages(m, p)
     dp = max(world_size // (tp * pp * cp), 1)  # 0 only when the world size check failed
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
@@ -503,6 +503,21 @@ def _check_rules(cfg: Any, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
+
+
+def _check_context_parallel(m: Any, d: Any, cp: int, sp: int) -> None:
+    """CP > 1: the row splits into 2 * CP equal chunks (megatron's load-balanced split), each CP
+    rank's slice into ``sp`` (the TP size under sequence parallelism, else 1) equal parts; MTP's
+    packed-document roll assumes megatron's per-document split, which ours (per row) is not."""
+    _require(d.seq_length % (2 * cp * sp) == 0, "data.seq_length", d.seq_length,
+             f"a multiple of 2 * parallelism.context_parallel_size"
+             + (" * tensor_model_parallel_size (sequence parallel)" if sp > 1 else "")
+             + f" = {2 * cp * sp} (each CP rank holds 2 of {2 * cp} equal chunks)")
+    if m.mtp_num_layers and d.reset_attention_mask:
+        _fail(ConfigError("parallelism.context_parallel_size", cp,
+                          "1 when model.mtp_num_layers > 0 and data.reset_attention_mask=true "
+                          "(megatron's MTP rolls packed documents only in its per-document CP "
+                          "split); set model.mtp_num_layers=0 or data.reset_attention_mask=false"))
 
 
 def _validate_kernels(cfg: Any) -> None:

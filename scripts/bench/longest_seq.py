@@ -1,0 +1,79 @@
+"""The longest sequence a model trains at on one GPU (context parallel size 1): ``train.py`` runs
+of a few steps at growing ``data.seq_length`` (micro batch 1), each in its own process, until one
+runs out of memory (or out of time).
+
+    python scripts/bench/longest_seq.py --seqs 32768 65536 131072 \\
+        --out docs/results/longest_seq_h200.json [-- train.py overrides ...]
+
+Default overrides: ``experiment=glm5_proxy_h200`` (bf16), ``train.steps=2``, global batch 1.
+``model.max_position_embeddings`` is raised to the sequence length where it is smaller (rotary
+tables only; the proxy's default is 32768). Per length the JSON holds the status (``trained``,
+``oom``, ``timeout``, ``failed``), the last step's time, tokens/s and the peak memory of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEFAULTS = ["experiment=glm5_proxy_h200", "train.steps=2", "train.global_batch_size=1",
+            "train.micro_batch_size=1", "train.lr_warmup_steps=0", "train.save_final=false",
+            "train.save_interval=0", "logging.mode=disabled"]
+OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError")
+
+
+def run_length(seq: int, overrides: list[str], timeout: int, root: Path) -> dict:
+    """One ``train.py`` run at ``seq`` tokens; its status and last step's figures."""
+    run_id = f"seq{seq}"
+    cmd = [sys.executable, str(ROOT / "train.py"), *DEFAULTS, f"data.seq_length={seq}",
+           f"model.max_position_embeddings={max(seq, 32768)}", *overrides]
+    env = dict(os.environ, KPOOL_RUN_ROOT=str(root), KPOOL_RUN_ID=run_id, WANDB_SILENT="true")
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"seq_length": seq, "status": "timeout", "timeout_s": timeout}
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        status = "oom" if any(m in out for m in OOM_MARKERS) else "failed"
+        return {"seq_length": seq, "status": status, "tail": out[-1500:]}
+    rows = [json.loads(x) for x in (root / run_id / "metrics.jsonl").read_text().splitlines() if x]
+    last = [r for r in rows if "step_time_s" in r][-1]
+    return {"seq_length": seq, "status": "trained", "steps": last["step"],
+            "step_s": last["step_time_s"], "tokens_per_s": last["tokens_per_s"],
+            "peak_mem_gib": max(r["peak_mem_gib"] for r in rows if "peak_mem_gib" in r),
+            "loss": last["loss"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per length")
+    parser.add_argument("--out", type=Path)
+    args, overrides = parser.parse_known_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for seq in sorted(args.seqs):
+            result = run_length(seq, overrides, args.timeout, Path(tmp))
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "tail"}), flush=True)
+            if result["status"] != "trained":
+                print(result.get("tail", ""), flush=True)
+                break
+    trained = [r["seq_length"] for r in results if r["status"] == "trained"]
+    summary = {"command": " ".join(["python scripts/bench/longest_seq.py", *sys.argv[1:]]),
+               "overrides": DEFAULTS + overrides, "longest_trained": max(trained, default=None),
+               "runs": results}
+    print(f"longest sequence trained: {summary['longest_trained']}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
