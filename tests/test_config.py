@@ -76,7 +76,12 @@ INVALID = [
     (["model.dsa_indexer_kpool=4", "model.dsa_indexer_topk=18"], 1, "model.dsa_indexer_topk"),
     (["model.dsa_indexer_head_dim=48"], 1, "model.dsa_indexer_head_dim"),
     (["model.qk_pos_emb_head_dim=7"], 1, "model.qk_pos_emb_head_dim"),
-    (["parallelism.context_parallel_size=2"], 2, "parallelism.context_parallel_size"),
+    # Context parallelism: 2 * CP (* TP under SP) chunks of the row; MTP rolls packed rows only at CP 1.
+    (["parallelism.context_parallel_size=3"], 3, "data.seq_length"),
+    (["parallelism=cp2", "parallelism.tensor_model_parallel_size=2", "data.seq_length=132"], 4,
+     "data.seq_length"),
+    (["parallelism=cp2", "model.mtp_num_layers=1", "data.reset_attention_mask=true",
+      "train.micro_batch_size=1"], 2, "parallelism.context_parallel_size"),
     (["parallelism=tp2", "parallelism.sequence_parallel=false"], 2, "parallelism.sequence_parallel"),
     (["parallelism.sequence_parallel=true"], 1, "parallelism.sequence_parallel"),
     (["data.seq_length=8192"], 1, "data.seq_length"),
