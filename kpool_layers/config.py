@@ -1,5 +1,5 @@
 """The transformer config the GLM-5.x layers read: megatron-core's ``MLATransformerConfig`` plus the
-KPool indexer fields that megatron-core 0.19 does not have.
+KPool indexer fields that megatron-core 0.19 does not have and the run's precision policy.
 
 Every field keeps megatron's naming so ``recipes.megatron_config`` maps the Hydra ``model`` group to
 it one to one.
@@ -7,16 +7,18 @@ it one to one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from kpool_layers import model_facts
+from kpool_layers.precision import PrecisionPolicy
 
 
 @dataclass
 class GLMTransformerConfig(MLATransformerConfig):
-    """``MLATransformerConfig`` + KPool DSA indexer fields (see ``kpool_layers.kpool``)."""
+    """``MLATransformerConfig`` + KPool DSA indexer fields (see ``kpool_layers.kpool``) + the
+    precision policy."""
 
     dsa_indexer_kpool: int = 1
     """Tokens per pooled index key; 1 = plain DSA."""
@@ -40,6 +42,12 @@ class GLMTransformerConfig(MLATransformerConfig):
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
     model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
     1e-5 elsewhere)."""
+
+    precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
+    """The run's precision policy (the ``precision`` group): how the linears are routed, the
+    indexer's serving-quantized scoring, drift's reference and the precision map.
+    ``recipes.megatron_config`` derives ``bf16``, ``params_dtype`` and ``dsa_indexer_k_norm_fp32``
+    from it."""
 
     @property
     def mla_latent_norm_eps(self) -> float:

@@ -58,6 +58,7 @@ Numerics, step by step, with sources
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 import torch
@@ -73,12 +74,31 @@ AMAX_EPS = 1e-4
 BLOCK = 128
 """Tile width of the blockwise recipe and of the serving index path."""
 
-ScaleFormat = Literal["ue8m0", "amax"]
-Recipe = Literal["blockwise", "tensorwise", "rowwise"]
+
+class ScaleFormat(StrEnum):
+    """How a group's dequantization scale is stored (``precision.scale_format``)."""
+
+    ue8m0 = "ue8m0"
+    """A power of two (an 8-bit exponent, as DeepGEMM and the serving engines keep it)."""
+    amax = "amax"
+    """``amax / 448`` in FP32."""
+
+
+class Recipe(StrEnum):
+    """FP8 training scaling recipe (``precision.recipe``)."""
+
+    blockwise = "blockwise"
+    """1x128 activation tiles, 128x128 weight blocks."""
+    tensorwise = "tensorwise"
+    """One scale per tensor."""
+    rowwise = "rowwise"
+    """One scale per row."""
+
+
 Operand = Literal["activation", "weight"]
 
-SCALE_FORMATS: tuple[str, ...] = ("ue8m0", "amax")
-RECIPES: tuple[str, ...] = ("blockwise", "tensorwise", "rowwise")
+SCALE_FORMATS: tuple[str, ...] = tuple(f.value for f in ScaleFormat)
+RECIPES: tuple[str, ...] = tuple(r.value for r in Recipe)
 OPERANDS: tuple[str, ...] = ("activation", "weight")
 
 

@@ -1,8 +1,10 @@
 """Precision policy for GLM-5.x training and the FP8 linear backends that carry it out.
 
-* :class:`PrecisionPolicy` - which linear *role* (:class:`Role`) runs quantized and in which dtype,
-  with the named profiles ``bf16``, ``fp8`` and ``serving_match`` (FP8 training whose indexer path
-  matches the FP8 serving engine).
+* :class:`PrecisionPolicy` - the ``precision`` config group (but ``drift``) as one frozen value:
+  the model dtype, which linear *role* (:class:`Role`) runs quantized and in which dtype, and the
+  indexer's numerics (:attr:`PrecisionPolicy.indexer_numerics`). The profiles are the YAML files
+  of ``conf/precision``; the recipes build the policy once (:meth:`PrecisionPolicy.from_config`)
+  and keep it on the model's config (``GLMTransformerConfig.precision``).
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
   (:mod:`kpool_layers.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
   ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
@@ -10,7 +12,6 @@
 * :func:`apply_precision` - routes every linear of a model, chosen by a ``role_of(name, module)``
   callable, through the policy (grouped experts refuse FP8 experts); :func:`precision_map` lists
   what it does.
-* :func:`fp8_autocast` - the Transformer Engine autocast for the ``te`` backend.
 
 Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
 (``nn.Linear`` / megatron layout, output partition first), outputs ``[..., N]``.
@@ -18,11 +19,11 @@ Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
-from typing import Any, Callable, ContextManager, Optional
+import typing
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -32,7 +33,11 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from kpool_layers import fp8
+from kpool_layers.fp8 import Recipe, ScaleFormat
 from kpool_layers.grouped_experts import GroupedExperts
+
+if TYPE_CHECKING:
+    from kpool_layers.indexer import IndexerNumerics
 
 
 class Role(str, enum.Enum):
@@ -62,49 +67,78 @@ _MLA_ROLES = {Role.MLA_Q_DOWN, Role.MLA_Q_UP, Role.MLA_KV_DOWN, Role.MLA_KV_UP, 
 _INDEXER_QK_ROLES = {Role.INDEXER_Q, Role.INDEXER_K, Role.INDEXER_KPOOL_GATE}
 _NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT}
 
-BACKENDS: tuple[str, ...] = ("te", "torch", "emulate", "auto")
-WEIGHTS_PROJ_DTYPES: tuple[str, ...] = ("fp32", "bf16", "inherit")
-PROFILES: tuple[str, ...] = ("bf16", "fp8", "serving_match")
+
+class DType(enum.StrEnum):
+    """A floating-point dtype of the precision keys (``precision.dtype``)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype it names."""
+        return torch.bfloat16 if self is DType.bf16 else torch.float32
 
 
-def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"precision.{key}={value!r} is not supported; allowed: {list(allowed)}")
+class WeightsProjDtype(enum.StrEnum):
+    """dtype of the indexer head-weights projection (``precision.dsa_indexer_weights_proj_dtype``)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    inherit = "inherit"
+    """The model's dtype."""
+
+
+class Backend(enum.StrEnum):
+    """Where FP8 GEMMs run (``precision.backend``); :func:`resolve_backend` makes ``auto`` concrete."""
+
+    auto = "auto"
+    """``torch`` on an FP8 GPU, else ``emulate``."""
+    torch = "torch"
+    """``torch._scaled_mm`` / ``F.scaled_mm`` on a CUDA GPU with FP8 (sm_89+)."""
+    emulate = "emulate"
+    """FP32 GEMM of the quantize-dequantized operands, any device."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
-    """Which linears run FP8 and in which dtype. Field names are the ``precision.*`` config keys."""
+    """The numerics of a run: the ``precision`` config group but ``drift``, field for field (the
+    schema ``recipes.schema.PrecisionConfig`` is made from these fields). Enum fields accept their
+    string values."""
 
-    recipe: str = "blockwise"
-    """FP8 scaling recipe: blockwise (1x128 activations, 128x128 weights) | tensorwise | rowwise."""
+    name: str = "bf16"
+    """The profile (``conf/precision/<name>.yaml``) the policy was composed from."""
+    dtype: DType = DType.bf16
+    """Parameter and compute dtype of the model."""
     fp8: bool = False
-    """Run the quantizable linears in FP8 (False = BF16 everywhere)."""
-    backend: str = "auto"
-    """te | torch | emulate | auto (te if importable, else torch on CUDA, else emulate)."""
+    """Run the quantizable linears in FP8 (False = the model dtype everywhere)."""
+    recipe: Recipe = Recipe.blockwise
+    """FP8 scaling recipe."""
+    backend: Backend = Backend.auto
+    """Where the FP8 GEMMs run."""
+    scale_format: ScaleFormat = ScaleFormat.ue8m0
+    """FP8 scale format (training GEMMs and the serving-quantized index scoring)."""
     dsa_indexer_qk_proj_disable_quantization: bool = False
-    """Keep the indexer q/k projections (and the KPool gate) unquantized BF16."""
+    """Keep the indexer q/k projections (and the KPool gate) unquantized."""
     mla_proj_disable_quantization: bool = False
-    """Keep the MLA q/kv down/up and output projections unquantized BF16."""
+    """Keep the MLA q/kv down/up and output projections unquantized."""
     dsa_indexer_kpool_use_quantization: bool = False
-    """Score with :func:`kpool_layers.fp8.serving_index_quant`-ed index q and pooled k."""
-    dsa_indexer_weights_proj_dtype: str = "inherit"
-    """dtype of the indexer head-weights projection: fp32 | bf16 | inherit (the model's)."""
+    """Score with :func:`kpool_layers.fp8.serving_index_quant`-ed index q and (pooled) k."""
+    dsa_indexer_weights_proj_dtype: WeightsProjDtype = WeightsProjDtype.inherit
+    """dtype of the indexer head-weights projection."""
     dsa_indexer_weights_proj_disable_quantization: bool = False
     """Keep the indexer head-weights projection unquantized."""
     dsa_indexer_k_norm_fp32: bool = False
-    """Compute the indexer k LayerNorm in FP32."""
-    scale_format: str = "ue8m0"
-    """FP8 scale format: ue8m0 (power of two) | amax (amax / 448)."""
+    """Compute the indexer key LayerNorm in FP32."""
 
     def __post_init__(self) -> None:
-        _check_choice("recipe", self.recipe, fp8.RECIPES)
-        _check_choice("backend", self.backend, BACKENDS)
-        _check_choice("dsa_indexer_weights_proj_dtype", self.dsa_indexer_weights_proj_dtype, WEIGHTS_PROJ_DTYPES)
-        _check_choice("scale_format", self.scale_format, fp8.SCALE_FORMATS)
+        for f in dataclasses.fields(self):
+            kind = _field_types()[f.name]
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                object.__setattr__(self, f.name, _member(kind, f.name, getattr(self, f.name)))
         if (
             self.fp8
-            and self.dsa_indexer_weights_proj_dtype == "fp32"
+            and self.dsa_indexer_weights_proj_dtype == WeightsProjDtype.fp32
             and not self.dsa_indexer_weights_proj_disable_quantization
         ):
             raise ValueError(
@@ -114,22 +148,15 @@ class PrecisionPolicy:
             )
 
     @classmethod
-    def profile(cls, name: str, **overrides: Any) -> "PrecisionPolicy":
-        """A named profile (``bf16`` | ``fp8`` | ``serving_match``) with optional field overrides."""
-        _check_choice("profile", name, PROFILES)
-        base: dict[str, Any] = {}
-        if name in ("fp8", "serving_match"):
-            base = {"fp8": True, "recipe": "blockwise"}
-        if name == "serving_match":
-            base.update(
-                dsa_indexer_qk_proj_disable_quantization=True,
-                mla_proj_disable_quantization=True,
-                dsa_indexer_kpool_use_quantization=True,
-                dsa_indexer_weights_proj_dtype="fp32",
-                dsa_indexer_weights_proj_disable_quantization=True,
-                dsa_indexer_k_norm_fp32=True,
-            )
-        return cls(**{**base, **overrides})
+    def from_config(cls, precision_cfg: Any) -> "PrecisionPolicy":
+        """The policy of a ``precision`` config node (a DictConfig or a schema object); its
+        ``drift`` settings are not part of the policy."""
+        return cls(**{f.name: getattr(precision_cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The model's parameter and compute dtype."""
+        return self.dtype.torch_dtype
 
     def quantized(self, role: Role | str) -> bool:
         """Whether the linear of ``role`` runs as an FP8 GEMM under this policy."""
@@ -144,52 +171,72 @@ class PrecisionPolicy:
             return not self.dsa_indexer_weights_proj_disable_quantization
         return True
 
-    def dtype(self, role: Role | str, params_dtype: torch.dtype = torch.bfloat16) -> torch.dtype:
+    def compute_dtype(self, role: Role | str, params_dtype: torch.dtype) -> torch.dtype:
         """The dtype the linear of ``role`` computes in (inputs and output; an FP8 GEMM's
-        operands are quantized from / its output returned in this dtype). ``params_dtype`` is the
-        model's dtype (BF16 in training)."""
+        operands are quantized from / its output returned in this dtype) in a model whose
+        weights are ``params_dtype``."""
         role = Role(role)
         if role is Role.MOE_ROUTER:
             return torch.float32
-        if role is Role.INDEXER_WEIGHTS:
-            return {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
-                self.dsa_indexer_weights_proj_dtype, params_dtype
-            )
+        if role is Role.INDEXER_WEIGHTS and self.dsa_indexer_weights_proj_dtype != WeightsProjDtype.inherit:
+            return DType(self.dsa_indexer_weights_proj_dtype.value).torch_dtype
         return params_dtype
+
+    @property
+    def indexer_numerics(self) -> "IndexerNumerics":
+        """The DSA indexer's numerics under this policy, with unquantized projections (what a
+        drift reference of this profile recomputes): q/k projections in the q/k roles' dtype,
+        the head-weights projection in its role's, the key LayerNorm in FP32 when
+        ``dsa_indexer_k_norm_fp32`` or an FP32 model, and serving-quantized scoring in
+        ``scale_format`` when ``dsa_indexer_kpool_use_quantization``."""
+        from kpool_layers.indexer import IndexerNumerics  # kpool_layers.indexer -> config -> here
+
+        return IndexerNumerics(
+            qk_dtype=self.compute_dtype(Role.INDEXER_Q, self.params_dtype),
+            weights_dtype=self.compute_dtype(Role.INDEXER_WEIGHTS, self.params_dtype),
+            k_norm_fp32=self.dsa_indexer_k_norm_fp32 or self.dtype == DType.fp32,
+            index_quant=self.scale_format.value if self.dsa_indexer_kpool_use_quantization else None,
+        )
+
+
+def _member(kind: type[enum.Enum], key: str, value: Any) -> Any:
+    """``kind``'s member of value ``value``; ``ValueError`` naming ``precision.<key>`` otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"precision.{key}={value!r} is not supported; "
+                         f"allowed: {[m.value for m in kind]}") from None
 
 
 @functools.cache
-def _te_importable() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # ImportError, or a broken CUDA/TE install raising at import
-        return False
-    return True
+def _field_types() -> dict[str, Any]:
+    """:class:`PrecisionPolicy`'s field types (its annotations are strings here)."""
+    return typing.get_type_hints(PrecisionPolicy)
 
 
 def _cuda_fp8_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def available_backends() -> list[str]:
+def available_backends() -> list[Backend]:
     """Concrete backends usable in this process, most preferred first."""
-    found = ["te"] if _te_importable() else []
-    if _cuda_fp8_available():
-        found.append("torch")
-    return [*found, "emulate"]
+    return [Backend.torch, Backend.emulate] if _cuda_fp8_available() else [Backend.emulate]
 
 
-def resolve_backend(backend: str) -> str:
-    """``auto`` -> the first of :func:`available_backends`; a concrete name is checked."""
-    _check_choice("backend", backend, BACKENDS)
+def resolve_backend(policy: PrecisionPolicy) -> str:
+    """The backend ``policy``'s FP8 GEMMs run on: ``none`` without FP8, ``auto`` -> the first of
+    :func:`available_backends`; a concrete backend must be available."""
+    if not policy.fp8:
+        return "none"
     available = available_backends()
-    if backend == "auto":
-        return available[0]
-    if backend not in available:
+    if policy.backend == Backend.auto:
+        return available[0].value
+    if policy.backend not in available:
         raise ValueError(
-            f"precision.backend={backend!r} is not available here; available: {available}"
+            f"precision.backend={policy.backend.value!r} is not available here; "
+            f"available: {[b.value for b in available]}"
         )
-    return backend
+    return policy.backend.value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,13 +347,10 @@ def quantized_matmul(
     """``x [..., K] @ w[N, K].T -> [..., N]`` (x's dtype) with both operands e4m3-quantized under
     ``recipe``; ``backend`` is ``torch`` (CUDA FP8 GEMM) or ``emulate`` (FP32 GEMM of the
     dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`)."""
-    _check_choice("recipe", recipe, fp8.RECIPES)
-    _check_choice("scale_format", scale_format, fp8.SCALE_FORMATS)
-    if backend not in ("torch", "emulate"):
-        raise ValueError(
-            f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}; "
-            "'te' quantizes inside Transformer Engine modules under fp8_autocast"
-        )
+    _member(Recipe, "recipe", recipe)
+    _member(ScaleFormat, "scale_format", scale_format)
+    if backend not in (Backend.torch, Backend.emulate):
+        raise ValueError(f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}")
     return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format)
 
 
@@ -378,23 +422,6 @@ def _torch_linear_forward(module: torch.nn.Linear, compute: _LinearCompute) -> C
     return forward
 
 
-def _is_te_module(module: torch.nn.Module) -> bool:
-    return any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__)
-
-
-def _te_disabled_forward(module: torch.nn.Module) -> Callable[..., Any]:
-    """The module's class forward run under ``fp8_autocast(enabled=False)`` (BF16 GEMMs)."""
-    import transformer_engine.pytorch as te
-
-    cls_forward = type(module).forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with te.fp8_autocast(enabled=False):
-            return cls_forward(module, *args, **kwargs)
-
-    return forward
-
-
 def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
     weight = getattr(module, "weight", None)
     return weight.dtype if isinstance(weight, torch.Tensor) else None
@@ -421,21 +448,9 @@ def _route(name: str, module: torch.nn.Module, role: Role, policy: PrecisionPoli
     _unroute(module)
     quantized = policy.quantized(role)
     own_dtype = _weight_dtype(module)
-    dtype = policy.dtype(role, own_dtype or torch.bfloat16)
-    if backend == "te" and _is_te_module(module):
-        if dtype != own_dtype:
-            raise ValueError(f"{name}: role {role.value} needs {dtype}; build this TE module in that dtype")
-        if not quantized:
-            module.forward = _routed(_te_disabled_forward(module))
-        return
+    dtype = policy.compute_dtype(role, own_dtype or torch.bfloat16)
     if not (quantized or dtype != own_dtype):
         return
-    if backend == "te":
-        raise ValueError(
-            f"{name} ({type(module).__name__}) has quantized role {role.value} but "
-            "precision.backend='te' quantizes only Transformer Engine linears; build the model "
-            "with the transformer_engine spec or use precision.backend=torch|emulate"
-        )
     compute = _LinearCompute(quantized, dtype, policy.recipe, backend, policy.scale_format)
     if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
         module._forward_impl = _routed(_megatron_forward_impl(compute))
@@ -471,14 +486,12 @@ def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy, role_of: Ro
       ``nn.Linear`` an instance ``forward``; both compute via :func:`quantized_matmul`.
     * unquantized role whose dtype differs from the weight's (e.g. FP32 indexer weights proj):
       the same wrapping with a plain GEMM in that dtype (output in that dtype).
-    * ``te`` backend: TE linears are quantized by :func:`fp8_autocast`; unquantized roles run their
-      forward under ``fp8_autocast(enabled=False)``.
 
     Wrapping is by instance attribute over the class method; calling again first removes the
     previous routing, so a model can be re-routed under another policy.
     """
     _refuse_fp8_grouped_experts(model, policy)
-    backend = resolve_backend(policy.backend) if policy.fp8 else "none"
+    backend = resolve_backend(policy)
     for name, module, role in _roles(model, role_of):
         _route(name, module, role, policy, backend)
     return precision_map(model, policy, role_of)
@@ -500,11 +513,11 @@ def _refuse_fp8_grouped_experts(model: torch.nn.Module, policy: PrecisionPolicy)
 def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
     """One row per routed module: ``module`` name, ``role``, ``quantized``, ``dtype`` (e.g.
     ``"bfloat16"``) and ``backend`` (resolved backend for quantized rows, else ``"none"``)."""
-    backend = resolve_backend(policy.backend) if policy.fp8 else "none"
+    backend = resolve_backend(policy)
     rows = []
     for name, module, role in _roles(model, role_of):
         quantized = policy.quantized(role)
-        dtype = policy.dtype(role, _weight_dtype(module) or torch.bfloat16)
+        dtype = policy.compute_dtype(role, _weight_dtype(module) or torch.bfloat16)
         rows.append(
             {
                 "module": name,
@@ -515,26 +528,3 @@ def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: Role
             }
         )
     return rows
-
-
-def te_recipe(policy: PrecisionPolicy) -> Any:
-    """Transformer Engine recipe for ``policy.recipe``: blockwise -> ``Float8BlockScaling``
-    (e4m3), tensorwise -> ``Float8CurrentScaling`` (HYBRID: e4m3 forward, e5m2 gradients).
-    TE has no rowwise FP8 recipe."""
-    from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling, Format
-
-    if policy.recipe == "blockwise":
-        return Float8BlockScaling(fp8_format=Format.E4M3)
-    if policy.recipe == "tensorwise":
-        return Float8CurrentScaling(fp8_format=Format.HYBRID)
-    raise ValueError("precision.recipe='rowwise' has no Transformer Engine recipe; use backend torch|emulate")
-
-
-def fp8_autocast(policy: PrecisionPolicy) -> ContextManager[Any]:
-    """The context the training step runs under: TE's ``fp8_autocast`` with :func:`te_recipe`
-    when FP8 resolves to the ``te`` backend, else a no-op (torch/emulate act per linear)."""
-    if not policy.fp8 or resolve_backend(policy.backend) != "te":
-        return contextlib.nullcontext()
-    import transformer_engine.pytorch as te
-
-    return te.fp8_autocast(enabled=True, fp8_recipe=te_recipe(policy))

@@ -3,21 +3,17 @@
 Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
 (``kpool_layers.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
 and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest.
-Norms are the sequence-parallel capable ``SPNorm`` on the local backend. With
-``config.moe_grouped_gemm`` the local backend's routed experts are
-:class:`kpool_layers.grouped_experts.GroupedExperts` (grouped GEMMs, no TE), else megatron's
-``SequentialMLP``; the ``te`` backend uses megatron's ``TEGroupedMLP``.
-
-Backends: ``local`` (megatron's ColumnParallelLinear/RowParallelLinear, runs anywhere) is what this
-repository tests. ``te`` swaps in Transformer Engine's linears and norms through megatron's
-``TESpecProvider``; it needs ``transformer_engine`` importable and is not exercised here (no TE on
-the development or GPU machines).
+The modules are megatron's local backend (ColumnParallelLinear/RowParallelLinear, runs anywhere,
+no Transformer Engine) with the sequence-parallel capable ``SPNorm`` norms. With
+``config.moe_grouped_gemm`` the routed experts are
+:class:`kpool_layers.grouped_experts.GroupedExperts` (grouped GEMMs), else megatron's
+``SequentialMLP``.
 """
 
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.models.backends import BackendSpecProvider, LocalSpecProvider
+from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_mtp_block_spec_for_backend,
     get_mlp_module_spec_for_backend,
@@ -34,8 +30,6 @@ from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_experts import GroupedExperts
 from kpool_layers.norm import SPNorm
 
-BACKENDS = ("local", "te")
-
 
 class SPLocalSpecProvider(LocalSpecProvider):
     """megatron's local backend with norms that accept sequence parallelism and grouped experts
@@ -50,29 +44,9 @@ class SPLocalSpecProvider(LocalSpecProvider):
         return super().grouped_mlp_modules(moe_use_grouped_gemm)
 
 
-def backend_provider(backend: str) -> BackendSpecProvider:
-    """The spec provider for ``backend`` (``local`` or ``te``); a clear error if TE is missing."""
-    if backend == "local":
-        return SPLocalSpecProvider()
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import HAVE_TE
-
-        if not HAVE_TE:
-            raise ValueError(
-                "precision.backend/spec backend 'te' needs transformer_engine, which is not "
-                "importable here; allowed: local"
-            )
-        from megatron.core.models.backends import TESpecProvider
-
-        return TESpecProvider()
-    raise ValueError(f"spec backend={backend!r} is not supported; allowed: {list(BACKENDS)}")
-
-
-def glm_layer_spec(
-    config: GLMTransformerConfig, attention: ModuleSpec, moe: bool, backend: str = "local"
-) -> ModuleSpec:
+def glm_layer_spec(config: GLMTransformerConfig, attention: ModuleSpec, moe: bool) -> ModuleSpec:
     """One decoder layer: pre-norm attention + pre-norm dense MLP or MoE, residual adds."""
-    provider = backend_provider(backend)
+    provider = SPLocalSpecProvider()
     mlp = get_mlp_module_spec_for_backend(
         backend=provider,
         num_experts=config.num_moe_experts if moe else None,
@@ -93,32 +67,23 @@ def glm_layer_spec(
 
 
 def glm_decoder_block_spec(
-    config: GLMTransformerConfig,
-    attention: ModuleSpec,
-    backend: str = "local",
-    pp_rank: int | None = None,
+    config: GLMTransformerConfig, attention: ModuleSpec, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage builds (all of them when PP = 1) and the final norm."""
-    layers = [
-        glm_layer_spec(config, attention, config.is_moe(n), backend)
-        for n in range(1, config.num_layers + 1)
-    ]
+    layers = [glm_layer_spec(config, attention, config.is_moe(n)) for n in range(1, config.num_layers + 1)]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     per_stage = get_num_layers_to_build(config, pp_rank=pp_rank)  # uneven first/last stages too
-    provider = backend_provider(backend)
     return TransformerBlockSubmodules(
         layer_specs=layers[offset : offset + per_stage],
-        layer_norm=provider.layer_norm(rms_norm=config.normalization == "RMSNorm"),
+        layer_norm=SPLocalSpecProvider().layer_norm(rms_norm=config.normalization == "RMSNorm"),
     )
 
 
 def glm_mtp_block_spec(
-    config: GLMTransformerConfig, attention: ModuleSpec, backend: str = "local"
+    config: GLMTransformerConfig, attention: ModuleSpec
 ):  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
     """megatron's MTP block built from the last decoder layer's spec (GLM-5: one MTP layer)."""
     if not config.mtp_num_layers:
         return None
-    last = glm_layer_spec(config, attention, config.is_moe(config.num_layers), backend)
-    return get_gpt_mtp_block_spec_for_backend(
-        config=config, spec=last, backend=backend_provider(backend)
-    )
+    last = glm_layer_spec(config, attention, config.is_moe(config.num_layers))
+    return get_gpt_mtp_block_spec_for_backend(config=config, spec=last, backend=SPLocalSpecProvider())

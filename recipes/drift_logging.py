@@ -21,6 +21,7 @@ decoder layer (``num_layers + i``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -29,6 +30,9 @@ from megatron.core import parallel_state as ps
 
 from kpool_layers.drift import boundary_tie_frac, reduce_drift_metrics, topk_drift
 from kpool_layers.indexer import DSAIndexer, IndexerNumerics, ScoredSelection
+from kpool_layers.precision import PrecisionPolicy
+from recipes.precision_setup import profile_policy
+from recipes.schema import DriftReference
 
 TABLE_EVERY = 10
 """A per-layer wandb Table on the first and every ``TABLE_EVERY``-th measurement."""
@@ -38,17 +42,12 @@ METRICS = ("topk_overlap", "topk_exact_rows", "topk_mismatch_frac", "topk_jaccar
 """Logged metric names (``pool_overlap`` only for ``kpool > 1``)."""
 
 
-def reference_numerics(reference: str, scale_format: str) -> IndexerNumerics:
-    """``serving``: BF16 q/k projections, FP32 weights projection and key norm, serving-quantized
-    scoring inputs (the emulated FP8 serving indexer); ``bf16``: everything BF16, no quantization;
-    ``fp32``: everything FP32, no quantization."""
-    if reference == "serving":
-        return IndexerNumerics(torch.bfloat16, torch.float32, k_norm_fp32=True, index_quant=scale_format)
-    if reference == "bf16":
-        return IndexerNumerics(torch.bfloat16, torch.bfloat16, k_norm_fp32=False, index_quant=None)
-    if reference == "fp32":
-        return IndexerNumerics(torch.float32, torch.float32, k_norm_fp32=True, index_quant=None)
-    raise ValueError(f"precision.drift.reference={reference!r} is not supported; allowed: ['serving', 'bf16', 'fp32']")
+def reference_numerics(reference: DriftReference | str, policy: PrecisionPolicy) -> IndexerNumerics:
+    """The indexer numerics of the reference's profile (:attr:`DriftReference.profile`) with the
+    run's (``policy``'s) scale format: ``serving`` = ``serving_match`` (the emulated FP8 serving
+    indexer), ``bf16`` / ``fp32`` = those profiles (no quantization)."""
+    reference_policy = profile_policy(DriftReference(reference).profile)
+    return dataclasses.replace(reference_policy, scale_format=policy.scale_format).indexer_numerics
 
 
 def logged_layer_number(name: str, layer_number: int, num_layers: int) -> int:
@@ -90,10 +89,11 @@ def layer_drift(indexer: DSAIndexer, numerics: IndexerNumerics) -> dict[str, tor
 class DriftMonitor:
     """Arms, measures and logs top-k drift for one model (see the module docstring)."""
 
-    def __init__(self, drift_cfg: Any, scale_format: str, model: torch.nn.Module, num_layers: int) -> None:
+    def __init__(self, drift_cfg: Any, model: torch.nn.Module, num_layers: int) -> None:
+        """``drift_cfg``: ``precision.drift``; the run's policy is ``model.config.precision``."""
         self.interval = int(drift_cfg.interval)
-        self.reference = str(getattr(drift_cfg.reference, "value", drift_cfg.reference))
-        self.numerics = reference_numerics(self.reference, str(getattr(scale_format, "value", scale_format)))
+        self.reference = DriftReference(drift_cfg.reference).value
+        self.numerics = reference_numerics(self.reference, model.config.precision)
         self.indexers = drift_indexers(model, num_layers)
 
     def due(self, step: int) -> bool:

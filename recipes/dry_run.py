@@ -130,7 +130,7 @@ def dry_run(cfg: Any) -> None:
           + ", ".join(f"{k} {v:.1f} GiB" for k, v in mem.items()) + " (activations excluded)")
     for line in memory_plan.report(cfg, model):
         print(line)
-    print_precision_map(cfg, model)
+    print_precision_map(model)
 
 
 def check_all(cfg: Any, world_size: int) -> None:
@@ -146,13 +146,13 @@ def check_all(cfg: Any, world_size: int) -> None:
                           f"{len(problems)} config problems for {world_size} GPUs:\n{listing}")
 
 
-def print_precision_map(cfg: Any, model: Any) -> None:
-    """The precision map of the meta-built model under ``cfg.precision`` (backend as configured:
-    the dry run plans for another machine)."""
-    from recipes.precision_setup import format_rows, policy_from_config, precision_rows
+def print_precision_map(model: Any) -> None:
+    """The precision map of the meta-built model under its policy (``model.config.precision``;
+    backend as configured: the dry run plans for another machine)."""
+    from recipes.precision_setup import format_rows, precision_rows
 
-    policy = policy_from_config(cfg.precision)
+    policy = model.config.precision
     backend = policy.backend if policy.fp8 else "none"
-    print(f"precision map ({cfg.precision.name}, backend {backend}; role xN  compute  dtype):")
+    print(f"precision map ({policy.name}, backend {backend}; role xN  compute  dtype):")
     for line in format_rows(precision_rows(model, policy, backend)):
         print(line)

@@ -122,7 +122,7 @@ def _build(cfg: Any) -> Trainer:
     if tcfg.bf16:
         model = Float16Module(tcfg, model)
     # precision: route linears (FP8 etc.); the map also lists the DSA kernels (model.dsa_kernels)
-    precision_map = setup_precision(cfg.precision, model) + kernel_rows(model)
+    precision_map = setup_precision(model) + kernel_rows(model)
     par = cfg.parallelism
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -245,8 +245,8 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
                            OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0,
                            resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
-    report_precision(trainer.precision_map, cfg.precision, run_dir, logger)
-    drift = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, trainer.model, cfg.model.num_layers)
+    report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger)
+    drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)

@@ -3,6 +3,8 @@
 ``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
 derives differently (dtype, the indexer key-norm precision, MoE layer pattern, grouped experts,
 parallel sizes, CPU/GPU kernel switches) are listed explicitly in :func:`to_transformer_config`.
+The ``precision`` group becomes one :class:`~kpool_layers.precision.PrecisionPolicy`, held on the
+config as ``precision``; the dtype fields are derived from it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kpool_layers import dsa_kernels, model_facts
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.precision import DType, PrecisionPolicy
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
 _NOT_COPIED = {"name", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
@@ -55,9 +58,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
 
     copied["dsa_kernels"] = dsa_kernels.resolve(
         copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
-    precision = _plain(cfg.precision)
-    bf16 = precision["dtype"] == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    policy = PrecisionPolicy.from_config(cfg.precision)
     experts = model["num_moe_experts"]
     moe_layer_freq = model_facts.moe_layer_freq(model["num_layers"], experts,
                                                 model["moe_first_k_dense_layers"])
@@ -76,7 +77,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         # MoE layer pattern and router precision (GLM-5 routes in FP32).
         moe_layer_freq=moe_layer_freq,
         moe_router_dtype="fp32" if experts else None,
-        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], bool(precision["fp8"]), on_gpu),
+        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], policy.fp8, on_gpu),
         mtp_num_layers=model["mtp_num_layers"] or None,
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,
@@ -90,10 +91,11 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         expert_tensor_parallel_size=par.expert_tensor_parallel_size,
         sequence_parallel=sequence_parallel(par),
         # Precision.
-        bf16=bf16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        dsa_indexer_k_norm_fp32=precision["dsa_indexer_k_norm_fp32"],  # megatron's own field
+        precision=policy,
+        bf16=policy.dtype == DType.bf16,
+        params_dtype=policy.params_dtype,
+        pipeline_dtype=policy.params_dtype,
+        dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
         deterministic_mode=bool(cfg.train.deterministic),
         # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
         use_cpu_initialization=not on_gpu,

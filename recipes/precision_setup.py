@@ -1,6 +1,8 @@
-"""Applies the ``precision`` config group to a built GLM-5.x model and reports what it did.
+"""Applies the precision policy of a built GLM-5.x model (``model.config.precision``, made from the
+``precision`` group by ``recipes.megatron_config``) and reports what it did.
 
-* :func:`policy_from_config` - ``precision.*`` -> :class:`kpool_layers.precision.PrecisionPolicy`.
+* :func:`profile_policy` - the policy of a profile of ``conf/precision`` (the profiles' only
+  definition).
 * :func:`linear_role` - the :class:`~kpool_layers.precision.Role` of every linear by module name.
 * :func:`setup_precision` - routes the linears (:func:`kpool_layers.precision.apply_precision`),
   switches the indexers' serving-quantized scoring on, returns the precision map.
@@ -19,7 +21,6 @@ Two roles are not routed through a wrapped forward, and the map says so in ``not
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -32,17 +33,15 @@ from megatron.core.tensor_parallel.layers import (
     VocabParallelEmbedding,
 )
 from megatron.core.transformer.moe.router import TopKRouter
+from omegaconf import OmegaConf
 
 from kpool_layers.core_attention import SparseMLACore
 from kpool_layers.indexer import DSAIndexer
-from kpool_layers.precision import PrecisionPolicy, Role, apply_precision, available_backends
+from kpool_layers.precision import PrecisionPolicy, Role, apply_precision, resolve_backend
+from recipes.schema import PrecisionConfig
 
-_POLICY_KEYS = (
-    "fp8", "recipe", "backend", "scale_format", "dsa_indexer_qk_proj_disable_quantization",
-    "mla_proj_disable_quantization", "dsa_indexer_kpool_use_quantization",
-    "dsa_indexer_weights_proj_dtype", "dsa_indexer_weights_proj_disable_quantization",
-    "dsa_indexer_k_norm_fp32",
-)
+PROFILES_DIR = Path(__file__).resolve().parent / "conf" / "precision"
+"""The precision profiles, one ``<name>.yaml`` each (``precision=<name>``)."""
 
 _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TopKRouter, torch.nn.Linear)
 
@@ -76,13 +75,10 @@ KPOOL_WEIGHTS_NOTE = "KPool contract: FP32 GEMM inside the indexer"
 NO_ROLE_NOTE = "no precision role: left as built"
 
 
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
-
-
-def policy_from_config(precision_cfg: Any) -> PrecisionPolicy:
-    """The policy of a ``precision`` config node (``name``, ``dtype`` and ``drift`` are not policy keys)."""
-    return PrecisionPolicy(**{k: _value(precision_cfg[k]) for k in _POLICY_KEYS})
+def profile_policy(name: str) -> PrecisionPolicy:
+    """The policy of profile ``name``: ``conf/precision/<name>.yaml`` over the schema defaults."""
+    profile = OmegaConf.load(PROFILES_DIR / f"{name}.yaml")
+    return PrecisionPolicy.from_config(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), profile))
 
 
 def _strip(name: str) -> str:
@@ -127,20 +123,6 @@ def _routing_role_of(model: torch.nn.Module):  # noqa: ANN202 - kpool_layers.pre
     return role_of
 
 
-def resolve_backend(policy: PrecisionPolicy) -> str:
-    """The backend the recipes use: ``none`` without FP8; ``auto`` -> ``torch`` on an FP8 GPU,
-    else ``emulate`` (the recipes build megatron's local spec, so never ``te``, which validation
-    rejects); a concrete name must be available."""
-    if not policy.fp8:
-        return "none"
-    usable = [b for b in available_backends() if b != "te"]
-    if policy.backend == "auto":
-        return usable[0]
-    if policy.backend not in usable:
-        raise ValueError(f"precision.backend={policy.backend!r} is not available here; available: {usable}")
-    return policy.backend
-
-
 def _weight_dtype(module: torch.nn.Module) -> torch.dtype:
     weight = getattr(module, "weight", None)
     return weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16
@@ -167,7 +149,7 @@ def precision_rows(model: torch.nn.Module, policy: PrecisionPolicy, backend: str
             elif note == KPOOL_WEIGHTS_NOTE:
                 quantized, dtype = False, torch.float32
             else:
-                quantized, dtype = policy.quantized(role), policy.dtype(role, own)
+                quantized, dtype = policy.quantized(role), policy.compute_dtype(role, own)
         rows.append({
             "module": _strip(name),
             "role": role.value if role else None,
@@ -201,20 +183,17 @@ def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
-def setup_precision(precision_cfg: Any, model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Apply ``precision_cfg`` to a built (dtype-cast) model: route every routable linear through
-    the policy, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized scoring when
-    ``dsa_indexer_kpool_use_quantization``); returns :func:`precision_rows`. The key LayerNorm
-    precision is the transformer config's ``dsa_indexer_k_norm_fp32`` (recipes.megatron_config)."""
-    policy = policy_from_config(precision_cfg)
-    backend = resolve_backend(policy)
-    routed = dataclasses.replace(policy, backend=backend) if policy.fp8 else policy
-    apply_precision(model, routed, _routing_role_of(model))
-    quant = policy.scale_format if policy.dsa_indexer_kpool_use_quantization else None
+def setup_precision(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Apply the policy of a built (dtype-cast) model, ``model.config.precision``: route every
+    routable linear through it, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized
+    scoring when ``dsa_indexer_kpool_use_quantization``); returns :func:`precision_rows`. The key
+    LayerNorm precision is the config's ``dsa_indexer_k_norm_fp32`` (recipes.megatron_config)."""
+    policy: PrecisionPolicy = model.config.precision
+    apply_precision(model, policy, _routing_role_of(model))
     for module in model.modules():
         if isinstance(module, DSAIndexer):
-            module.index_quant = quant
-    return precision_rows(model, policy, backend)
+            module.index_quant = policy.indexer_numerics.index_quant
+    return precision_rows(model, policy, resolve_backend(policy))
 
 
 def format_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -232,13 +211,12 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report_precision(rows: list[dict[str, Any]], policy_cfg: Any, run_dir: Path, logger: Any) -> None:
-    """Print the map, write ``run_dir/precision_map.json`` and add it to the wandb config
-    (``logger``: :class:`recipes.metrics.MetricsLogger`; a no-op on non-logging ranks)."""
+def report_precision(rows: list[dict[str, Any]], policy: PrecisionPolicy, run_dir: Path, logger: Any) -> None:
+    """Print the map of ``policy``, write ``run_dir/precision_map.json`` and add it to the wandb
+    config (``logger``: :class:`recipes.metrics.MetricsLogger`; a no-op on non-logging ranks)."""
     if not logger.enabled:
         return
-    policy = policy_from_config(policy_cfg)
-    print(f"precision {policy_cfg.name}: backend {resolve_backend(policy)}", flush=True)
+    print(f"precision {policy.name}: backend {resolve_backend(policy)}", flush=True)
     for line in format_rows(rows):
         print(line, flush=True)
     (run_dir / "precision_map.json").write_text(json.dumps(rows, indent=1))

@@ -27,6 +27,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from kpool_layers import model_facts
+from kpool_layers.precision import PrecisionPolicy, available_backends
 
 
 class ConfigError(ValueError):
@@ -166,39 +167,18 @@ class ModelConfig:
     mtp_num_layers: int = num(0, 0)
 
 
-class DType(str, Enum):
-    bf16 = "bf16"
-    fp32 = "fp32"
-
-
-class Fp8Recipe(str, Enum):
-    blockwise = "blockwise"
-    tensorwise = "tensorwise"
-    rowwise = "rowwise"
-
-
-class Fp8Backend(str, Enum):
-    auto = "auto"
-    te = "te"
-    torch = "torch"
-    emulate = "emulate"
-
-
-class ScaleFormat(str, Enum):
-    ue8m0 = "ue8m0"
-    amax = "amax"
-
-
-class WeightsProjDtype(str, Enum):
-    fp32 = "fp32"
-    bf16 = "bf16"
-    inherit = "inherit"
-
-
 class DriftReference(str, Enum):
+    """``precision.drift.reference``: the profile whose indexer numerics the drift measurement
+    recomputes the selection with."""
+
     serving = "serving"
     bf16 = "bf16"
     fp32 = "fp32"
+
+    @property
+    def profile(self) -> str:
+        """Its ``conf/precision`` profile: ``serving`` is ``serving_match``."""
+        return "serving_match" if self is DriftReference.serving else self.value
 
 
 @dataclass
@@ -209,24 +189,21 @@ class DriftConfig:
     reference: DriftReference = DriftReference.serving
 
 
-@dataclass
-class PrecisionConfig:
-    """Numeric formats. ``dtype`` is the parameter/compute dtype of the model; the other keys
-    (but ``name`` and ``drift``) are ``kpool_layers.precision.PrecisionPolicy`` fields."""
+def _mutable_schema(frozen: type, name: str, doc: str, *extra: tuple[str, type, Any]) -> type:
+    """A mutable (mergeable) schema dataclass ``name`` with the fields of the frozen dataclass
+    ``frozen`` (same names, types and defaults) followed by ``extra`` ``(name, type, field)``."""
+    hints = typing.get_type_hints(frozen)
+    fields = [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(frozen)]
+    return dataclasses.make_dataclass(name, [*fields, *extra], namespace={"__doc__": doc},
+                                      module=__name__)
 
-    name: str = "bf16"
-    dtype: DType = DType.bf16
-    fp8: bool = False
-    recipe: Fp8Recipe = Fp8Recipe.blockwise
-    backend: Fp8Backend = Fp8Backend.auto
-    scale_format: ScaleFormat = ScaleFormat.ue8m0
-    dsa_indexer_qk_proj_disable_quantization: bool = False
-    mla_proj_disable_quantization: bool = False
-    dsa_indexer_kpool_use_quantization: bool = False
-    dsa_indexer_weights_proj_dtype: WeightsProjDtype = WeightsProjDtype.inherit
-    dsa_indexer_weights_proj_disable_quantization: bool = False
-    dsa_indexer_k_norm_fp32: bool = False
-    drift: DriftConfig = field(default_factory=DriftConfig)
+
+PrecisionConfig = _mutable_schema(
+    PrecisionPolicy, "PrecisionConfig",
+    """Numeric formats: every ``kpool_layers.precision.PrecisionPolicy`` field (the policy is built
+    from this group by ``PrecisionPolicy.from_config``) and ``drift``.""",
+    ("drift", DriftConfig, field(default_factory=DriftConfig)),
+)
 
 
 @dataclass
@@ -546,18 +523,13 @@ def _value(x: Any) -> Any:
 
 
 def _validate_precision(cfg: Any) -> None:
-    """``precision.*`` rules: backend usable by the recipes' (local) layer spec, FP8 layer shapes,
-    serving-quantized index inputs only for power-of-two indexer heads <= 128, drift settings."""
-    from kpool_layers import precision as prec
-
+    """``precision.*`` rules: backend available here, FP8 layer shapes, serving-quantized index
+    inputs only for power-of-two indexer heads <= 128, drift settings."""
     pr, m = cfg.precision, cfg.model
     backend = _value(pr.backend)
     if pr.fp8:
-        _require(backend != "te", "precision.backend", backend,
-                 "torch, emulate or auto: the recipes build megatron's local layer spec and "
-                 "precision.backend=te quantizes only Transformer Engine linears")
         if not cfg.train.dry_run:  # a dry run plans for another machine
-            usable = [b for b in prec.available_backends() if b != "te"]
+            usable = [b.value for b in available_backends()]
             _require(backend == "auto" or backend in usable, "precision.backend", backend,
                      f"auto or one available here: {usable}")
         _require(not (m.num_moe_experts and m.moe_grouped_gemm), "model.moe_grouped_gemm", True,

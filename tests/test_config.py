@@ -126,7 +126,8 @@ def test_invalid_config_names_the_key(overrides: list[str], world: int, key: str
     "override,key",
     [("model.foo=1", "model.foo"), ("train.steps=abc", "train.steps"),
      ("model.normalization=Foo", "model.normalization"), ("logging.mode=loud", "logging.mode"),
-     ("data.kind=csv", "data.kind"), ("precision.dtype=fp64", "precision.dtype")],
+     ("data.kind=csv", "data.kind"), ("precision.dtype=fp64", "precision.dtype"),
+     ("precision.backend=te", "precision.backend")],
 )
 def test_schema_rejects_unknown_keys_and_types(override: str, key: str) -> None:
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:

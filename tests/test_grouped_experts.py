@@ -316,8 +316,8 @@ def test_fp8_expert_quantization_is_refused_naming_the_key(single_rank_parallel_
     model = torch.nn.Module()
     model.experts = GroupedExperts(2, config(), pg_collection=get_default_pg_collection())
     with pytest.raises(ValueError, match=r"precision\.fp8=true.*model\.moe_grouped_gemm=false"):
-        apply_precision(model, PrecisionPolicy.profile("fp8", backend="emulate"), lambda n, m: None)
-    apply_precision(model, PrecisionPolicy.profile("bf16"), lambda n, m: None)  # no FP8: fine
+        apply_precision(model, PrecisionPolicy(fp8=True, backend="emulate"), lambda n, m: None)
+    apply_precision(model, PrecisionPolicy(), lambda n, m: None)  # no FP8: fine
 
 
 def test_auto_choice_is_gpu_without_fp8():

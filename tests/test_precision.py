@@ -3,11 +3,14 @@ torch FP8 GEMM on CUDA)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kpool_layers import fp8, precision
 from kpool_layers.precision import PrecisionPolicy, Role
+from recipes.precision_setup import profile_policy
 
 ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
 MLA = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.kv_up", "mla.out"}
@@ -15,14 +18,20 @@ INDEXER_QK = {"indexer.q", "indexer.k", "indexer.kpool_gate"}
 
 EXPECTED_QUANTIZED = {
     "bf16": set(),
+    "fp32": set(),
     "fp8": ALWAYS | MLA | INDEXER_QK | {"indexer.weights"},
     "serving_match": ALWAYS,
 }
 
 
-@pytest.mark.parametrize("name", precision.PROFILES)
+def _profile(name: str, **overrides) -> PrecisionPolicy:
+    """The policy of ``conf/precision/<name>.yaml`` with field overrides."""
+    return dataclasses.replace(profile_policy(name), **overrides)
+
+
+@pytest.mark.parametrize("name", EXPECTED_QUANTIZED)
 def test_profile_routing_table(name):
-    policy = PrecisionPolicy.profile(name)
+    policy = profile_policy(name)
     got = {role.value for role in Role if policy.quantized(role)}
     assert got == EXPECTED_QUANTIZED[name]
     assert len(Role) == 18
@@ -30,18 +39,18 @@ def test_profile_routing_table(name):
 
 def test_profile_dtypes_and_flags():
     bf16 = torch.bfloat16
-    sm = PrecisionPolicy.profile("serving_match")
+    sm = profile_policy("serving_match")
     assert sm.fp8 and sm.recipe == "blockwise" and sm.scale_format == "ue8m0"
     assert sm.dsa_indexer_kpool_use_quantization and sm.dsa_indexer_k_norm_fp32
-    assert sm.dtype("indexer.weights") == torch.float32
-    assert sm.dtype("moe.router") == torch.float32
-    assert sm.dtype("embedding") == bf16 and sm.dtype("output") == bf16 and sm.dtype("mla.q_up") == bf16
-    fp8_profile = PrecisionPolicy.profile("fp8")
-    assert fp8_profile.dtype("indexer.weights") == bf16
-    assert fp8_profile.dtype("indexer.weights", params_dtype=torch.float32) == torch.float32
+    assert sm.compute_dtype("indexer.weights", bf16) == torch.float32
+    assert sm.compute_dtype("moe.router", bf16) == torch.float32
+    assert all(sm.compute_dtype(role, bf16) == bf16 for role in ("embedding", "output", "mla.q_up"))
+    fp8_profile = profile_policy("fp8")
+    assert fp8_profile.compute_dtype("indexer.weights", bf16) == bf16
+    assert fp8_profile.compute_dtype("indexer.weights", torch.float32) == torch.float32
     assert not fp8_profile.dsa_indexer_kpool_use_quantization
-    assert PrecisionPolicy.profile("bf16").dtype("moe.router") == torch.float32
-    assert PrecisionPolicy.profile("fp8", recipe="rowwise").recipe == "rowwise"
+    assert profile_policy("bf16").compute_dtype("moe.router", bf16) == torch.float32
+    assert profile_policy("fp32").params_dtype == torch.float32
 
 
 def test_policy_validation_names_keys():
@@ -49,29 +58,26 @@ def test_policy_validation_names_keys():
         PrecisionPolicy(recipe="mxfp8")
     with pytest.raises(ValueError, match=r"precision\.scale_format"):
         PrecisionPolicy(scale_format="e5m2")
+    with pytest.raises(ValueError, match=r"precision\.backend='te'"):
+        PrecisionPolicy(backend="te")
     with pytest.raises(ValueError, match=r"precision\.dsa_indexer_weights_proj_disable_quantization"):
         PrecisionPolicy(fp8=True, dsa_indexer_weights_proj_dtype="fp32")
-    with pytest.raises(ValueError, match=r"precision\.profile"):
-        PrecisionPolicy.profile("fp4")
     with pytest.raises(ValueError):
         PrecisionPolicy().quantized("mla.q_proj")
 
 
 def test_backend_resolution(monkeypatch):
-    monkeypatch.setattr(precision, "_te_importable", lambda: False)
     monkeypatch.setattr(precision, "_cuda_fp8_available", lambda: False)
-    assert precision.resolve_backend("auto") == "emulate"
+    assert precision.available_backends() == ["emulate"]
+    assert precision.resolve_backend(PrecisionPolicy(backend="torch")) == "none"  # no FP8
+    assert precision.resolve_backend(PrecisionPolicy(fp8=True)) == "emulate"
     with pytest.raises(ValueError) as err:
-        precision.resolve_backend("te")
+        precision.resolve_backend(PrecisionPolicy(fp8=True, backend="torch"))
     msg = str(err.value)
-    assert "precision.backend" in msg and "'te'" in msg and "['emulate']" in msg
+    assert "precision.backend" in msg and "'torch'" in msg and "['emulate']" in msg
     monkeypatch.setattr(precision, "_cuda_fp8_available", lambda: True)
-    assert precision.resolve_backend("auto") == "torch"
-    monkeypatch.setattr(precision, "_te_importable", lambda: True)
-    assert precision.available_backends() == ["te", "torch", "emulate"]
-    assert precision.resolve_backend("auto") == "te"
-    with pytest.raises(ValueError, match=r"precision\.backend='cuda'"):
-        precision.resolve_backend("cuda")
+    assert precision.available_backends() == ["torch", "emulate"]
+    assert precision.resolve_backend(PrecisionPolicy(fp8=True)) == "torch"
 
 
 @pytest.mark.parametrize("recipe", fp8.RECIPES)
@@ -126,9 +132,9 @@ def test_zero_rows_give_empty_output_and_zero_weight_grad(recipe):
     assert x.grad.shape == (0, 200) and torch.equal(w.grad, torch.zeros_like(w))
 
 
-def test_quantized_matmul_rejects_te():
-    with pytest.raises(ValueError, match="fp8_autocast"):
-        precision.quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "blockwise", "te")
+def test_quantized_matmul_needs_a_concrete_backend():
+    with pytest.raises(ValueError, match="'torch' or 'emulate', got 'auto'"):
+        precision.quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "blockwise", "auto")
 
 
 class _Toy(torch.nn.Module):
@@ -153,7 +159,7 @@ def test_apply_precision_nn_linear_serving_match():
     model = _Toy().to(torch.bfloat16)
     x = torch.randn(6, 128).to(torch.bfloat16)
     before = {n: getattr(model, n)(x) for n in _TOY_ROLES}
-    policy = PrecisionPolicy.profile("serving_match", backend="emulate")
+    policy = _profile("serving_match", backend="emulate")
     rows = precision.apply_precision(model, policy, _toy_role_of)
     assert rows == [
         {"module": "q_up", "role": "mla.q_up", "quantized": False, "dtype": "bfloat16", "backend": "none"},
@@ -171,9 +177,9 @@ def test_apply_precision_nn_linear_serving_match():
     expected = precision.quantized_matmul(x, model.fc1.weight, "blockwise", "emulate") + model.fc1.bias
     assert torch.equal(model.fc1(x), expected) and not torch.equal(expected, before["fc1"])
     # Re-routing under fp8 quantizes the MLA projection too; under bf16 everything is as before.
-    precision.apply_precision(model, PrecisionPolicy.profile("fp8", backend="emulate"), _toy_role_of)
+    precision.apply_precision(model, _profile("fp8", backend="emulate"), _toy_role_of)
     assert model.q_up(x).dtype == torch.bfloat16 and not torch.equal(model.q_up(x), before["q_up"])
-    precision.apply_precision(model, PrecisionPolicy.profile("bf16"), _toy_role_of)
+    precision.apply_precision(model, profile_policy("bf16"), _toy_role_of)
     for n in ("q_up", "idx_q", "fc1"):
         assert "forward" not in vars(getattr(model, n)) and torch.equal(getattr(model, n)(x), before[n])
     assert model.idx_w(x).dtype == torch.bfloat16
@@ -184,7 +190,7 @@ def test_apply_precision_rejects_non_linear():
         return "mlp.fc1" if name == "norm" else None
 
     with pytest.raises(ValueError, match="norm .*LayerNorm.* mlp.fc1"):
-        precision.apply_precision(_Toy(), PrecisionPolicy.profile("fp8", backend="emulate"), role_of)
+        precision.apply_precision(_Toy(), _profile("fp8", backend="emulate"), role_of)
 
 
 def _megatron_config():
@@ -216,7 +222,7 @@ def test_apply_precision_megatron_linear(single_rank_parallel_state, kind):
     torch.manual_seed(3)
     x = torch.randn(5, 2, 128, requires_grad=True)  # [s, b, h]
     ref_out, _ = layer(x)
-    policy = PrecisionPolicy.profile("fp8", backend="emulate")
+    policy = _profile("fp8", backend="emulate")
     rows = precision.apply_precision(model, policy, lambda n, m: "mlp.fc1" if n == "linear_fc1" else None)
     assert rows[0]["quantized"] and rows[0]["backend"] == "emulate"
     out, _ = layer(x)

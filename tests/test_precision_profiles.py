@@ -1,6 +1,7 @@
-"""Precision profiles on the built GLM-5 tiny model: every linear's role routed exactly as the
-profile says, serving-quantized indexer scoring equal to ``fp8.serving_index_scores``, top-k drift
-exact for ``serving_match`` and measurable for ``bf16``, config validation of the precision keys."""
+"""Precision profiles: each YAML builds the policy it should, and on the built GLM-5 tiny model
+every linear's role is routed exactly as the profile says, serving-quantized indexer scoring equals
+``fp8.serving_index_scores``, top-k drift is exact for ``serving_match`` and measurable for
+``bf16``; config validation of the precision keys."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kpool_layers import fp8
-from kpool_layers.indexer import DSAIndexer
-from kpool_layers.precision import _ROUTED
+from kpool_layers.indexer import DSAIndexer, IndexerNumerics
+from kpool_layers.precision import _ROUTED, PrecisionPolicy
 from kpool_layers.topk import topk_lower_index_ties
 from recipes.distributed import register_resolvers
-from recipes.drift_logging import DriftMonitor
+from recipes.drift_logging import DriftMonitor, reference_numerics
 from recipes.megatron_config import to_transformer_config
 from recipes.model import build_gpt_model
-from recipes.precision_setup import KV_UP_NOTE, setup_precision
+from recipes.precision_setup import KV_UP_NOTE, PROFILES_DIR, profile_policy, setup_precision
 from recipes.schema import ConfigError, register_configs, validate
 from tests.test_indexer import tiny_config
 
@@ -59,7 +60,7 @@ def _forward(model: torch.nn.Module, seed: int = 0, batch: int = 2, seq: int = 6
 @pytest.mark.parametrize("profile", ["bf16", "fp8", "serving_match"])
 def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, profile):
     cfg, model = _build([f"precision={profile}", "precision.backend=emulate"])
-    rows = setup_precision(cfg.precision, model)
+    rows = setup_precision(model)
     modules = dict(model.named_modules())
     assert {r["role"] for r in rows} == ROLES  # every role present, no linear without a role
     for row in rows:
@@ -82,7 +83,7 @@ def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, pro
 
 def test_quantized_linear_computes_emulated_fp8(single_rank_parallel_state):
     cfg, model = _build(["precision=fp8", "precision.backend=emulate"])
-    setup_precision(cfg.precision, model)
+    setup_precision(model)
     fc1 = model.decoder.layers[0].mlp.linear_fc1
     x = torch.randn(5, 2, 128).to(torch.bfloat16)
     out, _ = fc1(x)
@@ -122,7 +123,7 @@ def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_
 
 
 def _drift(model: torch.nn.Module, cfg) -> dict[int, dict[str, float]]:
-    monitor = DriftMonitor(cfg.precision.drift, cfg.precision.scale_format, model, cfg.model.num_layers)
+    monitor = DriftMonitor(cfg.precision.drift, model, cfg.model.num_layers)
     monitor.arm()
     _forward(model)
     return monitor.measure()
@@ -130,7 +131,7 @@ def _drift(model: torch.nn.Module, cfg) -> dict[int, dict[str, float]]:
 
 def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
     cfg, model = _build(["precision=serving_match", "precision.backend=emulate"])
-    setup_precision(cfg.precision, model)
+    setup_precision(model)
     exact = _drift(model, cfg)
     assert sorted(exact) == [1, 2, 3, 4]
     for metrics in exact.values():
@@ -139,8 +140,9 @@ def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
     # Same weights and tokens under bf16 (re-routed; the key norm back to the model dtype as
     # to_transformer_config sets it for bf16): the serving reference's FP8 rounding flips selections.
     bf16 = _compose(["model=glm5_tiny", "precision=bf16"])
-    setup_precision(bf16.precision, model)
-    model.config.dsa_indexer_k_norm_fp32 = False  # the one config object all layers share
+    model.config.precision = PrecisionPolicy.from_config(bf16.precision)  # the config all layers share
+    model.config.dsa_indexer_k_norm_fp32 = False
+    setup_precision(model)
     drifted = _drift(model, bf16)
     overlaps = [m["topk_overlap"] for m in drifted.values()]
     assert all(0.5 < o < 1.0 for o in overlaps), overlaps
@@ -150,7 +152,7 @@ def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
 
 def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
     cfg, model = _build(["precision=bf16", "model.dsa_indexer_kpool=4", "model.dsa_indexer_kpool_always_select_tail=true"])
-    setup_precision(cfg.precision, model)
+    setup_precision(model)
     for ix in model.modules():
         if isinstance(ix, DSAIndexer):  # non-uniform pooling gates
             torch.nn.init.normal_(ix.index_kpool_compress_gate.weight, std=0.5)
@@ -163,7 +165,6 @@ def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
 @pytest.mark.parametrize(
     "overrides,key",
     [
-        (["precision=fp8", "precision.backend=te"], "precision.backend"),
         (["precision=fp8", "precision.backend=torch"], "precision.backend"),
         (["precision=fp8", "model.moe_grouped_gemm=true"], "model.moe_grouped_gemm"),
         (["precision=fp8", "precision.dsa_indexer_weights_proj_dtype=fp32"],
@@ -183,12 +184,38 @@ def test_invalid_precision_names_the_key(overrides, key):
     assert err.value.key == key and "allowed" in str(err.value)
 
 
-def test_profiles_compose_to_the_policy():
-    from kpool_layers.precision import PrecisionPolicy
-    from recipes.precision_setup import policy_from_config
+SERVING_MATCH = dict(fp8=True, dsa_indexer_qk_proj_disable_quantization=True, mla_proj_disable_quantization=True,
+                     dsa_indexer_kpool_use_quantization=True, dsa_indexer_weights_proj_dtype="fp32",
+                     dsa_indexer_weights_proj_disable_quantization=True, dsa_indexer_k_norm_fp32=True)
+PROFILE_POLICIES = {
+    "bf16": PrecisionPolicy(name="bf16"),
+    "fp32": PrecisionPolicy(name="fp32", dtype="fp32"),
+    "fp8": PrecisionPolicy(name="fp8", fp8=True),
+    "serving_match": PrecisionPolicy(name="serving_match", **SERVING_MATCH),
+}
 
-    for name in ("bf16", "fp8", "serving_match"):
-        cfg = _compose([f"precision={name}"])
-        assert policy_from_config(cfg.precision) == PrecisionPolicy.profile(name)
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+def test_each_profile_yaml_builds_its_policy(name):
+    policy = profile_policy(name)
+    assert policy == PROFILE_POLICIES[name]
+    assert PrecisionPolicy.from_config(_compose([f"precision={name}"]).precision) == policy
+    assert to_transformer_config(_compose([f"precision={name}"])).precision == policy
+
+
+def test_overrides_reach_the_policy():
     cfg = _compose(["precision=serving_match", "precision.recipe=rowwise", "precision.drift.reference=fp32"])
-    assert policy_from_config(cfg.precision).recipe == "rowwise" and cfg.precision.drift.reference.value == "fp32"
+    policy = PrecisionPolicy.from_config(cfg.precision)
+    assert policy.recipe == "rowwise" and cfg.precision.drift.reference.value == "fp32"
+
+
+def test_drift_references_are_the_profiles_numerics():
+    """``serving`` = the ``serving_match`` profile's indexer numerics, in the run's scale format."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    run = PrecisionPolicy(scale_format="amax")
+    assert reference_numerics("serving", run) == IndexerNumerics(bf16, fp32, k_norm_fp32=True, index_quant="amax")
+    assert reference_numerics("serving", PrecisionPolicy()).index_quant == "ue8m0"
+    assert reference_numerics("bf16", run) == IndexerNumerics(bf16, bf16, k_norm_fp32=False, index_quant=None)
+    assert reference_numerics("fp32", run) == IndexerNumerics(fp32, fp32, k_norm_fp32=True, index_quant=None)
+    assert profile_policy("serving_match").indexer_numerics == IndexerNumerics(
+        bf16, fp32, k_norm_fp32=True, index_quant="ue8m0")
