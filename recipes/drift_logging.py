@@ -105,12 +105,13 @@ class DriftMonitor:
             indexer.capture_for_drift = True
 
     def measure(self) -> dict[int, dict[str, float]]:
-        """Per-layer metrics of the armed step, averaged over DP and gathered over PP (every rank
-        gets every layer). Call before the optimizer step."""
+        """Per-layer metrics of the armed step, averaged over DP and CP (each CP rank measures its
+        queries) and gathered over PP (every rank gets every layer). Call before the optimizer
+        step."""
         local = {layer: layer_drift(ix, self.numerics) for layer, ix in sorted(self.indexers.items())}
         flat = {f"{layer}/{k}": v for layer, metrics in local.items() for k, v in metrics.items()}
         if dist.is_initialized():
-            flat = reduce_drift_metrics(flat, ps.get_data_parallel_group())
+            flat = reduce_drift_metrics(flat, ps.get_data_parallel_group(with_context_parallel=True))
         per_layer: dict[int, dict[str, float]] = {}
         for key, value in flat.items():
             layer, metric = key.split("/")

@@ -1,7 +1,7 @@
 """Context parallelism end to end through ``train.py`` on CPU (gloo, fp32): CP = 2 trains the
-losses of CP = 1 (plain causal batches, and packed documents with KPool + tail and the indexer
-loss), and a checkpoint saved at CP = 2 resumes at CP = 1 with the loss the uninterrupted CP = 1
-run has next."""
+losses of CP = 1 (plain causal batches; and packed documents with KPool + tail, the indexer loss
+and the top-k drift measured every step), and a checkpoint saved at CP = 2 resumes at CP = 1 with
+the loss the uninterrupted CP = 1 run has next."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def _losses(run_dir: Path) -> list[float]:
 @pytest.mark.parametrize("variant", [
     [],
     ["data.reset_attention_mask=true", "model.dsa_indexer_kpool=4",
-     "model.dsa_indexer_kpool_always_select_tail=true", "model.dsa_indexer_loss_coeff=0.1"],
+     "model.dsa_indexer_kpool_always_select_tail=true", "model.dsa_indexer_loss_coeff=0.1",
+     "precision.drift.interval=1"],
 ], ids=["plain", "thd-kpool-indexer-loss"])
 def test_cp2_trains_the_losses_of_cp1(tmp_path: Path, variant: list[str]) -> None:
     common = FAST + variant + ["train.steps=3", "train.save_interval=2"]
