@@ -106,10 +106,29 @@ def test_valid_indices_drop_future_other_document_and_empty_slots() -> None:
     assert valid_indices(idx, start).dtype == torch.int32
 
 
+def test_valid_indices_with_query_pos() -> None:
+    """Query rows at key positions 1 and 3 of 5 keys (context parallelism): the causal bound is
+    query_pos, not the row number."""
+    idx = torch.tensor([[[0, 1, 2, -1], [4, 3, 1, 2]]])  # [1, 2, 4]
+    pos = torch.tensor([1, 3])
+    assert valid_indices(idx, torch.tensor([0, 2]), pos).tolist() == [[[0, 1, -1, -1],
+                                                                      [-1, 3, -1, 2]]]
+    assert valid_indices(idx, None, pos).tolist() == [[[0, 1, -1, -1], [-1, 3, 1, 2]]]
+    assert valid_indices(idx, None).tolist() == [[[0, -1, -1, -1], [-1, -1, 1, -1]]]  # rows 0, 1
+
+
 def _reference_kernel(q, kv, indices, scale):  # noqa: ANN001, ANN202
-    """SparseMLA's contract ([b, s, H, 576] layouts, -1 slots skipped) on the torch path."""
+    """SparseMLA's contract on the torch path: q [b, s_q, H, 576], kv [b, s_kv, 1, 576], int32
+    indices [b, s_q, 1, W]; only -1 slots are skipped (no causal mask: every query may see every
+    key, ``query_pos = s_kv - 1``), so the adapter alone must mask."""
+    b, s_q, heads, d = q.shape
+    s_kv = kv.size(1)
+    assert d == 576 and kv.shape == (b, s_kv, 1, d) and (heads in (16, 32, 64) or heads % 64 == 0)
+    assert indices.shape[:3] == (b, s_q, 1) and indices.dtype == torch.int32
+    assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()
     out = sparse_mla_attention(q.transpose(0, 1), kv.transpose(0, 1), indices[:, :, 0].long(),
-                               scale, v_channels=512, chunk_size=4)
+                               scale, v_channels=512, chunk_size=4,
+                               query_pos=torch.full((s_q,), s_kv - 1))
     return out.transpose(0, 1), None
 
 
@@ -134,3 +153,39 @@ def test_tilelang_adapter_padding_is_exact(rope: int, heads: int) -> None:
     torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
     for a, b in zip(g_ours, g_ref):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("rope", [64, 0])
+def test_tilelang_adapter_with_query_pos_is_exact(rope: int) -> None:
+    """Context parallelism through the adapter: a CP rank's 6 non-contiguous query rows (CP=2,
+    rank 0: chunks 0 and 3 of 4) against all 12 keys equal the torch path with the same query_pos,
+    output and both gradients (the latent-key gradient [s_kv, b, 1, d]), float64."""
+    from tests.test_sparse_attention import cp_rows
+
+    g = torch.Generator().manual_seed(7 + rope)
+    s, heads, d = 12, 5, 512 + rope
+    rows = cp_rows(s, 2, 0)  # [0, 1, 2, 9, 10, 11]
+    query = torch.randn(len(rows), 2, heads, d, dtype=torch.float64, generator=g,
+                        requires_grad=True)
+    kv = torch.randn(s, 2, 1, d, dtype=torch.float64, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(s, generator=g)[:7] for _ in range(2 * len(rows))])
+    idx = idx.view(2, len(rows), 7).masked_fill(torch.rand(2, len(rows), 7, generator=g) < 0.2, -1)
+    start = torch.tensor([0] * 5 + [5] * 7)[rows]  # documents [0, 5), [5, 12)
+    ours = sparse_mla_tilelang(query, kv, idx, 0.05, v_channels=512, key_start=start,
+                               query_pos=rows, kernel=_reference_kernel)
+    ref = sparse_mla_attention(query, kv, idx, 0.05, v_channels=512, chunk_size=4,
+                               key_start=start, query_pos=rows)
+    assert ours.shape == (len(rows), 2, heads, 512) and ref.abs().sum() > 0
+    grad = torch.randn_like(ref)
+    g_ours = torch.autograd.grad(ours, (query, kv), grad)
+    g_ref = torch.autograd.grad(ref, (query, kv), grad)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    assert g_ours[1].shape == (s, 2, 1, d)
+    for a, b in zip(g_ours, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="latent_kv"):
+        sparse_mla_tilelang(query, kv, idx, 0.05, v_channels=512, key_start=start,
+                            kernel=_reference_kernel)  # s_kv != s_q needs query_pos
+    with pytest.raises(ValueError, match="query_pos"):
+        sparse_mla_tilelang(query, kv, idx, 0.05, v_channels=512, key_start=start,
+                            query_pos=rows[:4], kernel=_reference_kernel)

@@ -82,6 +82,59 @@ def test_triton_sparse_mla_is_bitwise_deterministic() -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_sparse_mla_with_query_pos_matches_torch(packed: bool) -> None:
+    """Context parallelism, CP=2: each rank's query rows (chunks r and 3 - r of 4, rank 0's not
+    contiguous) with ``query_pos`` against all 1024 latent keys. bf16 Triton vs the FP32 torch path
+    given the same ``query_pos``: output, dq, dkv ``[s_kv, 1, 1, d]`` and the slot probabilities;
+    bit-deterministic; and the ranks' dkv add up to the full-sequence Triton run's dkv."""
+    from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
+    from tests.test_sparse_attention import cp_rows
+
+    g = torch.Generator(device="cuda").manual_seed(11 + packed)
+    s, heads, d, v, width, cp = 1024, 16, 576, 512, 256, 2
+    scale = d ** -0.5
+    q = torch.randn(s, 1, heads, d, device="cuda", generator=g).bfloat16()
+    kv = torch.randn(s, 1, 1, d, device="cuda", generator=g).bfloat16().requires_grad_()
+    start = torch.arange(s, device="cuda") // 300 * 300
+    if not packed:
+        start = torch.zeros_like(start)
+    idx = _indices(s, width, start, g).int()  # [1, s, width]
+    grad = torch.randn(s, 1, heads, v, device="cuda", generator=g).bfloat16()
+    total = torch.zeros(s, 1, 1, d, device="cuda")
+    for rank in range(cp):
+        rows = cp_rows(s, cp, rank).cuda()
+        q_local = q[rows].requires_grad_()
+        idx_local, start_local = idx[:, rows], start[rows]
+        runs = []
+        for _ in range(2):
+            out, probs = sparse_mla_triton(q_local, kv, idx_local, scale, v_channels=v,
+                                           key_start=start_local, query_pos=rows,
+                                           return_slot_probs=True)
+            runs.append((out, probs, *torch.autograd.grad(out, (q_local, kv), grad[rows])))
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        out, probs, dq, dkv = runs[0]
+        assert out.shape == (s // 2, 1, heads, v) and dkv.shape == (s, 1, 1, d)
+        assert not dkv[int(rows.max()) + 1:].any()  # keys no local row may see
+        q32, kv32 = q_local.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+        ref = sparse_mla_attention(q32, kv32, idx_local, scale, v_channels=v, chunk_size=256,
+                                   key_start=start_local, query_pos=rows)
+        rq, rkv = torch.autograd.grad(ref, (q32, kv32), grad[rows].float())
+        assert _rel(out, ref) <= REL and _rel(dq, rq) <= REL and _rel(dkv, rkv) <= REL
+        # slot probabilities: fp32 softmax over each row's valid slots, summed over heads
+        keys = idx_local[0].long()  # [s_q, W]
+        valid = (keys >= start_local[:, None]) & (keys <= rows[:, None])
+        k_sel = kv32.detach()[keys.clamp(min=0), 0, 0]  # [s_q, W, d]
+        scores = torch.einsum("snd,swd->snw", q32.detach()[:, 0], k_sel) * scale
+        want = torch.softmax(scores.masked_fill(~valid[:, None], float("-inf")), -1)
+        assert _rel(probs[0], want.nan_to_num(0.0).sum(1)) <= REL
+        total += dkv.float()
+    full = sparse_mla_triton(q.detach().requires_grad_(), kv, idx, scale, v_channels=v,
+                             key_start=start)
+    (full_dkv,) = torch.autograd.grad(full, (kv,), grad)
+    assert _rel(total, full_dkv) <= REL  # what CP's reduce-scatter of the key gradient adds up
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kpool", [1, 4])
 def test_indexer_topk_selects_the_torch_sets(backend: str, kpool: int) -> None:

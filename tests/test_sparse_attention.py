@@ -161,3 +161,117 @@ def test_cuda_bf16_matches_reference_and_peak_memory_is_linear() -> None:
 
     small, large = extra_peak_mib(2048), extra_peak_mib(8192)
     assert large < 2.5 * small  # per-chunk buffers are constant; [s, W, d] grows 4x, [s, s] 16x
+
+
+# ---- context parallelism: local query rows (query_pos) against the keys of the whole sequence ----
+
+def cp_rows(s: int, cp: int, rank: int) -> torch.Tensor:
+    """int64 query positions of ``rank`` under megatron's load-balanced CP split: the sequence is
+    cut into ``2 cp`` chunks and the rank holds chunks ``rank`` and ``2 cp - 1 - rank``."""
+    chunk = s // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def _cp_problem(s: int = 16, seed: int = 3):
+    """fp64 full problem with documents [0, 5), [5, 11), [11, 16) and random top-k (empty, future,
+    other-document and duplicate slots on purpose; 9 slots from 16 keys repeat some keys)."""
+    query, latent, topk = _inputs(s=s, b=2, n=3, d=12, width=9, seed=seed)
+    bounds = torch.tensor([0, 5, 11])
+    key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
+    topk[:, :, 1] = topk[:, :, 0]  # a duplicate in every row
+    grad_out = torch.randn(s, 2, 3, 8, generator=torch.Generator().manual_seed(seed + 1),
+                           dtype=torch.float64)
+    return query, latent, topk, key_start, grad_out
+
+
+def _local_run(query, latent, topk, key_start, grad_out, rows, chunk):  # noqa: ANN001, ANN202
+    """A rank's call: its query rows, all keys; returns (out, dq, dkv)."""
+    q = query.detach()[rows].requires_grad_()
+    out = sparse_mla_attention(q, latent, topk[:, rows], 0.4, v_channels=8, chunk_size=chunk,
+                               key_start=key_start[rows], query_pos=rows)
+    return (out, *torch.autograd.grad(out, (q, latent), grad_out[rows]))
+
+
+# fp64 throughout: the local and the full run compute every row's softmax, output and query gradient
+# with the same operations, and the key gradient as the same per-slot terms summed (index_add_) in
+# another grouping of at most s * W = 144 terms of size O(1): differences ~ 144 * 2^-53 ~ 2e-14,
+# bound 1e-12.
+TOL64 = dict(rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cp,rank", [(2, 0), (2, 1), (4, 2)])
+@pytest.mark.parametrize("chunk", [3, 64])
+def test_query_pos_equals_full_sequence_rows(cp: int, rank: int, chunk: int) -> None:
+    """CP rank: output = the full run's rows; latent-key gradient = the full run's when the upstream
+    gradient is zero on the other rows; keys past the rank's last row get exactly zero."""
+    query, latent, topk, key_start, grad_out = _cp_problem()
+    s = query.size(0)
+    rows = cp_rows(s, cp, rank)
+    assert (rows.diff() != 1).any() or rank == cp - 1  # non-contiguous except the middle rank
+    out, dq, dkv = _local_run(query, latent, topk, key_start, grad_out, rows, chunk)
+
+    full = sparse_mla_attention(query, latent, topk, 0.4, v_channels=8, chunk_size=5,
+                                key_start=key_start)
+    mask = torch.zeros(s, 1, 1, 1, dtype=torch.float64)
+    mask[rows] = 1.0
+    full_dq, full_dkv = torch.autograd.grad(full, (query, latent), grad_out * mask)
+    assert out.shape == (len(rows), 2, 3, 8) and dkv.shape == latent.shape
+    assert full[rows].abs().sum() > 0 and full_dkv.abs().sum() > 0
+    torch.testing.assert_close(out, full[rows], **TOL64)
+    torch.testing.assert_close(dq, full_dq[rows], **TOL64)
+    torch.testing.assert_close(dkv, full_dkv, **TOL64)
+    assert (dkv[int(rows.max()) + 1:] == 0).all()  # keys no local row may see
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_query_pos_key_grads_sum_to_the_full_grad(cp: int) -> None:
+    """The CP reduce-scatter: the latent-key gradients of complementary row subsets add up to the
+    full gradient (and the outputs tile the full output)."""
+    query, latent, topk, key_start, grad_out = _cp_problem()
+    s = query.size(0)
+    full = sparse_mla_attention(query, latent, topk, 0.4, v_channels=8, chunk_size=4,
+                                key_start=key_start)
+    full_dq, full_dkv = torch.autograd.grad(full, (query, latent), grad_out)
+    total = torch.zeros_like(latent)
+    covered = torch.zeros(s, dtype=torch.int64)
+    for rank in range(cp):
+        rows = cp_rows(s, cp, rank)
+        out, dq, dkv = _local_run(query, latent, topk, key_start, grad_out, rows, 4)
+        torch.testing.assert_close(out, full[rows], **TOL64)
+        torch.testing.assert_close(dq, full_dq[rows], **TOL64)
+        total += dkv
+        covered[rows] += 1
+    assert (covered == 1).all()
+    torch.testing.assert_close(total, full_dkv, **TOL64)
+
+
+def test_query_pos_arange_is_the_default_bitwise() -> None:
+    query, latent, topk = _inputs()
+    key_start = torch.tensor([0] * 4 + [4] * 6)
+    runs = []
+    for pos in (None, torch.arange(10)):
+        out = sparse_mla_attention(query, latent, topk, 0.3, v_channels=8, chunk_size=3,
+                                   key_start=key_start, query_pos=pos)
+        runs.append((out, *_grads(out, (query, latent))))
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_query_pos_shape_validation() -> None:
+    query, latent, topk = _inputs()  # s = 10
+    rows = torch.arange(10)
+    with pytest.raises(ValueError, match=r"query_pos must be .*\[10\]"):
+        sparse_mla_attention(query, latent, topk, 1.0, v_channels=4, chunk_size=4,
+                             query_pos=rows[:9])
+    with pytest.raises(ValueError, match=r"query_pos must be .*\[10\]"):
+        sparse_mla_attention(query, latent, topk, 1.0, v_channels=4, chunk_size=4,
+                             query_pos=rows.double())
+    with pytest.raises(ValueError, match=r"latent_kv must be \[s_kv >= 10, 2, 1, 12\]"):
+        sparse_mla_attention(query, latent[:8], topk, 1.0, v_channels=4, chunk_size=4,
+                             query_pos=rows)
+    with pytest.raises(ValueError, match=r"latent_kv must be \[10, 2, 1, 12\].*without query_pos"):
+        sparse_mla_attention(query, torch.cat([latent, latent]), topk, 1.0, v_channels=4,
+                             chunk_size=4)
+    with pytest.raises(ValueError, match=r"key_start must be .*\[10\]"):
+        sparse_mla_attention(query, latent, topk, 1.0, v_channels=4, chunk_size=4,
+                             key_start=rows[:3])

@@ -41,10 +41,11 @@ def random_topk(b: int, s: int, width: int, gen: torch.Generator, empty: float =
 
 
 def slot_probs_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,
-                         scale: float, key_start: torch.Tensor | None) -> torch.Tensor:
-    """fp64 ``[b, s, W]``: softmax over each query's valid slots, summed over heads."""
+                         scale: float, key_start: torch.Tensor | None,
+                         query_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """fp64 ``[b, s_q, W]``: softmax over each query's valid slots, summed over heads."""
     s, b, n, d = query.shape
-    rows = torch.arange(s)
+    rows = query_pos if query_pos is not None else torch.arange(s)
     lowest = key_start if key_start is not None else torch.zeros(s, dtype=torch.int64)
     keys = topk.long()
     valid = (keys >= lowest[None, :, None]) & (keys <= rows[None, :, None])
@@ -101,6 +102,75 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
     return report
 
 
+def run_cp_case(s: int, b: int, n: int, d: int, v: int, width: int, cp: int, partial_rows: int,
+                seed: int = 0) -> dict:
+    """Context parallelism, fp32: each CP rank's query rows (megatron's load-balanced split) with
+    ``query_pos`` against all keys, by Triton, vs (a) the full-sequence Triton run's rows (its
+    latent-key gradient taken with the upstream gradient zero on the other rows), (b) the torch
+    reference given the same ``query_pos``; output, dq, dkv and slot probabilities. Also: the
+    ranks' dkv sum to the full dkv, keys past a rank's last row get exactly zero, determinism."""
+    from kpool_layers.kernels import sparse_mla_triton as smla
+    from tests.test_sparse_attention import cp_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(s, b, n, d, generator=gen).requires_grad_()
+    latent = torch.randn(s, b, 1, d, generator=gen).requires_grad_()
+    topk = random_topk(b, s, width, gen)
+    topk[:, [2, s - 3]] = -1  # an empty row in each half
+    bounds = torch.tensor([0, s // 3, s // 2 + 1])  # documents straddling the CP chunks
+    key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
+    grad_out = torch.randn(s, b, n, v, generator=gen)
+    scale = d ** -0.5
+    rel = lambda g, r: ((g.double() - r.double()).norm() / r.double().norm()).item()  # noqa: E731
+
+    full_out, full_probs = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v,
+                                                  key_start=key_start, return_slot_probs=True)
+    full_dkv = torch.autograd.grad(full_out, latent, grad_out, retain_graph=True)[0]
+    report: dict = {"deterministic": True, "unseen_keys_zero": True}
+    total = torch.zeros_like(latent)
+    budget = smla.PARTIAL_BUFFER_BYTES
+    for rank in range(cp):
+        rows = cp_rows(s, cp, rank)
+        mask = torch.zeros(s, 1, 1, 1)
+        mask[rows] = 1.0
+        want = [full_out[rows], *torch.autograd.grad(full_out, (query, latent), grad_out * mask,
+                                                     retain_graph=True), full_probs[:, rows]]
+        want[1] = want[1][rows]
+
+        def local(backend: str) -> list[torch.Tensor]:
+            q = query.detach()[rows].requires_grad_()
+            args = (q, latent, topk[:, rows], scale)
+            kw = dict(v_channels=v, key_start=key_start[rows], query_pos=rows)
+            if backend == "triton":
+                out, probs = smla.sparse_mla_triton(*args, **kw, return_slot_probs=True)
+            else:
+                out = sparse_mla_attention(*args, **kw, chunk_size=5)
+                probs = slot_probs_reference(q, latent, topk[:, rows], scale, key_start[rows],
+                                             rows)
+            return [out, *torch.autograd.grad(out, (q, latent), grad_out[rows]), probs]
+
+        try:  # several query chunks in the key-gradient reduction, some across batch rows
+            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
+            got, again = local("triton"), local("triton")
+        finally:
+            smla.PARTIAL_BUFFER_BYTES = budget
+        ref = local("torch")
+        for name, g, f, r in zip(("out", "dq", "dkv", "probs"), got, want, ref):
+            report[f"rank{rank}/vs_full/{name}"] = rel(g, f)
+            report[f"rank{rank}/vs_ref/{name}"] = rel(g, r)
+        report["deterministic"] &= all(torch.equal(g, a) for g, a in zip(got, again))
+        report["unseen_keys_zero"] &= not got[2][int(rows.max()) + 1:].any().item()
+        total += got[2]
+    report["sum_dkv"] = rel(total, full_dkv)
+    return report
+
+
+CP_CASES = {
+    # name: (s, b, n, d_k, v, W, CP, partial rows)
+    "cp2_fp32": (24, 2, 3, 48, 32, 10, 2, 5),
+}
+
+
 CASES = {
     # name: (s, b, n, d_k, v, W, dtype, options)
     "fp32_rope": (20, 2, 3, 48, 32, 12, "float32", {}),
@@ -131,6 +201,23 @@ def test_matches_reference_cpu(cpu_report: dict, case: str) -> None:
     for name in ("out", "dq", "dkv", "probs"):
         assert report[name] <= RTOL[dtype], (name, report)
     assert report["empty_rows_zero"], report
+
+
+@pytest.mark.parametrize("case", sorted(CP_CASES))
+def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str) -> None:
+    """fp32. Vs the full run: every row's output, dq and slot probabilities come from the same
+    operations on the same values in the same order (only where the causal bound is read from
+    differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
+    the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
+    norm-wise); so is the ranks' dkv sum vs the full dkv. Vs the torch reference with the same
+    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``."""
+    report = cpu_report[case]
+    errors = {k: e for k, e in report.items() if not isinstance(e, bool)}
+    assert len(errors) == 8 * CP_CASES[case][6] + 1, report
+    for key, err in errors.items():
+        exact = "/vs_full/" in key and not key.endswith("dkv")
+        assert err <= (0.0 if exact else RTOL["float32"]), (key, report)
+    assert report["unseen_keys_zero"], report
 
 
 def test_deterministic_cpu(cpu_report: dict) -> None:
@@ -214,4 +301,6 @@ class TestGPU:
 
 
 if __name__ == "__main__":  # CPU cases under the interpreter (see the module docstring)
-    print(json.dumps({name: run_case(*args[:7], **args[7]) for name, args in CASES.items()}))
+    report = {name: run_case(*args[:7], **args[7]) for name, args in CASES.items()}
+    report.update({name: run_cp_case(*args) for name, args in CP_CASES.items()})
+    print(json.dumps(report))

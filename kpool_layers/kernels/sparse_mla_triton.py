@@ -1,37 +1,49 @@
 """Deterministic Triton sparse absorbed-MLA attention (DeepSeek Sparse Attention), fwd and bwd.
 
 Same function as :func:`kpool_layers.sparse_attention.sparse_mla_attention`. Layouts:
-  * ``query``        ``[s, b, n, d_k]`` absorbed queries, ``d_k = v_channels + tail`` (tail = rope
-    dim, 0 without rope);
-  * ``latent_kv``    ``[s, b, 1, d_k]`` latent keys, whose first ``v_channels`` are the value;
-  * ``topk_indices`` int32/int64 ``[b, s, W]`` key positions in the batch row, ``-1`` = empty slot;
-  * ``key_start``    int64 ``[s]`` first key each query may see (packed THD documents) or None (0);
-  * output           ``[s, b, n, v_channels]`` in ``query.dtype``.
+  * ``query``        ``[s_q, b, n, d_k]`` absorbed queries, ``d_k = v_channels + tail`` (tail =
+    rope dim, 0 without rope);
+  * ``latent_kv``    ``[s_kv, b, 1, d_k]`` latent keys of the whole sequence, whose first
+    ``v_channels`` are the value; ``s_kv >= s_q`` (``s_kv == s_q`` without ``query_pos``);
+  * ``topk_indices`` int32/int64 ``[b, s_q, W]`` key positions in ``[0, s_kv)`` of the batch row,
+    ``-1`` = empty slot;
+  * ``key_start``    int64 ``[s_q]`` first key each query row may see (packed THD documents) or
+    None (0);
+  * ``query_pos``    int32/int64 ``[s_q]`` key position of each query row (its position in the full
+    sequence: context parallelism's non-contiguous query rows against all keys) or None
+    (``arange(s_q)``);
+  * output           ``[s_q, b, n, v_channels]`` in ``query.dtype``; the latent-key gradient is
+    ``[s_kv, b, 1, d_k]`` (zero on keys no query row selects).
 
-A slot counts only if ``key_start[i] <= key <= i``; other slots are ignored, and a query without
-a valid slot gets zero output and zero gradients. Precondition: the valid keys of one row are
-unique (the indexer's top-k guarantees it); unlike the reference, duplicates are not dropped.
+A slot counts only if ``key_start[i] <= key <= query_pos[i]``; other slots are ignored, and a query
+without a valid slot gets zero output and zero gradients. Precondition: the valid keys of one row
+are unique (the indexer's top-k guarantees it); unlike the reference, duplicates are not dropped.
+``query_pos`` is read through a pointer behind the ``HAS_QPOS`` constexpr: without it the kernels
+compile exactly as before (``key <= i``). Its values are not checked (no host sync): they must lie
+in ``[0, s_kv)``, like the top-k keys, since valid slots are loaded unguarded.
 
-Kernels (one program per token ``t = batch * s + i``):
-  1. forward, grid ``(b*s, head blocks)``: loop over slot blocks, gather the selected key rows,
-     online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s, b, n]`` (log2 units,
-     ``+inf`` for an empty row so that recomputed probabilities are 0);
-  2. dQ, grid ``(b*s, head blocks)``: ``delta = rowsum(dO * O)`` (fp32, stored for step 3),
+Kernels (one program per token ``t = batch * s_q + i``):
+  1. forward, grid ``(b*s_q, head blocks)``: loop over slot blocks, gather the selected key rows,
+     online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s_q, b, n]`` (log2
+     units, ``+inf`` for an empty row so that recomputed probabilities are 0);
+  2. dQ, grid ``(b*s_q, head blocks)``: ``delta = rowsum(dO * O)`` (fp32, stored for step 3),
      recompute ``P``, ``dS = P (dO V^T - delta) scale``, ``dQ = dS K``;
   3. per query chunk, dKV partials, grid ``(chunk tokens, slot blocks)``: one program owns the rows
      ``partial[t, slot, :] = sum_h dS[t,h,slot] Q[t,h,:] (+ P[t,h,slot] dO[t,h,:] on the value
      channels)``, summing the heads in a fixed order;
-  4. deterministic segmented reduction: the chunk's flat key ids are stably sorted (invalid slots
-     last), and one program per key adds its rows, in query order, into the fp32 ``dKV`` row it
-     alone owns; chunks run in order;
-  5. optionally (``return_slot_probs``), grid ``(b*s, slot blocks)``: the probabilities of each
+  4. deterministic segmented reduction: the chunk's flat key ids (``batch * s_kv + key``) are
+     stably sorted (invalid slots last), and one program per key adds its rows, in query order,
+     into the fp32 ``dKV [b * s_kv, d_k]`` row it alone owns; chunks run in order. The programs
+     span the keys the chunk can reach: up to its last token without ``query_pos``, else the
+     whole key range of the chunk's batch rows (bounds from shapes only, no host sync);
+  5. optionally (``return_slot_probs``), grid ``(b*s_q, slot blocks)``: the probabilities of each
      slot from the final lse, summed over heads in a fixed order.
 Blocks of slots that are all invalid are skipped (early queries of a causal top-k; in the forward
 and dQ loops as ``CONFIGS`` says).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
-``O(s * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
-``PARTIAL_BUFFER_BYTES`` (never ``[s, s]``). The partial rows are stored in the input dtype (like
-the reference's per-slot key gradients, which its bf16/fp16 matmuls return rounded), halving
+``O(s_q * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
+``PARTIAL_BUFFER_BYTES`` (never ``[s_q, s_kv]``). The partial rows are stored in the input dtype
+(like the reference's per-slot key gradients, which its bf16/fp16 matmuls return rounded), halving
 their memory traffic for bf16/fp16; the reduction adds them in fp32.
 
 Numerics: fp32 softmax, lse and accumulation; bf16/fp16 inputs take tensor-core dots on bf16/fp16
@@ -48,6 +60,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from kpool_layers.sparse_attention import check_layouts
 
 PARTIAL_BUFFER_BYTES = 1 << 30
 """Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
@@ -79,14 +93,20 @@ def _load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
 
 
 @triton.jit
-def _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr):
-    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query ``(bi, i)``."""
+def _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
+                    HAS_QPOS: tl.constexpr):
+    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query row ``(bi, i)``:
+    ``KSTART[i] <= key <= QPOS[i]`` (0 and ``i`` when absent)."""
     keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
     if HAS_KSTART:
         lowest = tl.load(KSTART + i).to(tl.int64)
     else:
         lowest = 0
-    valid = (keys >= lowest) & (keys <= i) & (slots < W)
+    if HAS_QPOS:
+        highest = tl.load(QPOS + i).to(tl.int64)
+    else:
+        highest = i
+    valid = (keys >= lowest) & (keys <= highest) & (slots < W)
     return tl.where(valid, keys, 0), valid
 
 
@@ -116,11 +136,11 @@ def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.c
 
 
 @triton.jit
-def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
+def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
                 sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, so_s, so_b, so_h,
                 V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
-                SKIP_EMPTY: tl.constexpr):
+                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
@@ -131,8 +151,8 @@ def _fwd_kernel(Q, KV, IDX, KSTART, O, LSE, S, B, N, W, scale_log2,
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BV], tl.float32)
     for k0 in range(0, W, BK):
-        keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
-                                      HAS_KSTART)
+        keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
+                                      si_s, HAS_KSTART, HAS_QPOS)
         if SKIP_EMPTY:
             if tl.max(valid.to(tl.int32), 0) > 0:
                 m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
@@ -177,11 +197,11 @@ def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale
 
 
 @triton.jit
-def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
+def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
                sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, so_s, so_b, so_h,
                V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr, PREC: tl.constexpr,
-               SKIP_EMPTY: tl.constexpr):
+               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+               HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
@@ -197,8 +217,8 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, sca
     dq = tl.zeros([BH, BV], tl.float32)
     dqt = tl.zeros([BH, BT], tl.float32)
     for k0 in range(0, W, BK):
-        keys, valid = _selected_slots(IDX, KSTART, bi, i, k0 + tl.arange(0, BK), W, si_b, si_s,
-                                      HAS_KSTART)
+        keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
+                                      si_s, HAS_KSTART, HAS_QPOS)
         if SKIP_EMPTY:
             if tl.max(valid.to(tl.int32), 0) > 0:
                 dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
@@ -216,17 +236,18 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, LSE, DELTA, DQ, S, B, N, W, scale, sca
 
 
 @triton.jit
-def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W, scale,
+def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PART, t0, S, B, N, W, scale,
                         scale_log2, sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
                         V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                         BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
-                        PREC: tl.constexpr):
+                        HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     t = t0 + row
     bi = t // S
     i = t % S
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
+    keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+                                  HAS_QPOS)
     if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
         k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
         dk = tl.zeros([BK, BV], tl.float32)
@@ -257,17 +278,18 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, LSE, DELTA, PART, t0, S, B, N, W
 
 
 @triton.jit
-def _slot_probs_kernel(Q, KV, IDX, KSTART, LSE, PROBS, S, B, N, W, scale_log2,
+def _slot_probs_kernel(Q, KV, IDX, KSTART, QPOS, LSE, PROBS, S, B, N, W, scale_log2,
                        sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s,
                        V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
                        BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
-                       PREC: tl.constexpr):
+                       HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
     """``PROBS[b, i, slot] = sum_h P[h, slot]`` from the final ``LSE``; grid (tokens, slots)."""
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    keys, valid = _selected_slots(IDX, KSTART, bi, i, slots, W, si_b, si_s, HAS_KSTART)
+    keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+                                  HAS_QPOS)
     total = tl.zeros([BK], tl.float32)
     if tl.max(valid.to(tl.int32), 0) > 0:
         k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
@@ -333,52 +355,57 @@ class _SparseMLATriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
-                key_start: torch.Tensor | None, softmax_scale: float, v_channels: int,
-                slot_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                key_start: torch.Tensor | None, query_pos: torch.Tensor | None,
+                softmax_scale: float, v_channels: int, slot_probs: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         s, b, n, d = query.shape
         w = topk_indices.size(-1)
         out = query.new_empty(s, b, n, v_channels)
         lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
-        has_start = key_start is not None
-        start = key_start if has_start else topk_indices
+        has_start, has_qpos = key_start is not None, query_pos is not None
+        start = key_start if has_start else topk_indices  # unread dummies when absent
+        qpos = query_pos if has_qpos else topk_indices
         meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
         _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
-            query, latent_kv, topk_indices, start, out, lse2, s, b, n, w, softmax_scale * _LOG2E,
-            *query.stride()[:3], *latent_kv.stride()[:2], *topk_indices.stride()[:2],
-            *out.stride()[:3], HAS_KSTART=has_start, **meta)
+            query, latent_kv, topk_indices, start, qpos, out, lse2, s, b, n, w,
+            softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+            *topk_indices.stride()[:2], *out.stride()[:3], HAS_KSTART=has_start,
+            HAS_QPOS=has_qpos, **meta)
         probs = None
         if slot_probs:
             probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
             meta = _meta("dkv", n, v_channels, d - v_channels, query.dtype)
             _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
-                query, latent_kv, topk_indices, start, lse2, probs, s, b, n, w,
+                query, latent_kv, topk_indices, start, qpos, lse2, probs, s, b, n, w,
                 softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
-                *topk_indices.stride()[:2], HAS_KSTART=has_start, **meta)
+                *topk_indices.stride()[:2], HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
             ctx.mark_non_differentiable(probs)
-        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, out, lse2)
+        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, query_pos, out, lse2)
         ctx.softmax_scale = softmax_scale
         ctx.v_channels = v_channels
         return out, probs
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_probs: torch.Tensor | None):  # noqa: ANN205
-        query, latent_kv, topk_indices, key_start, out, lse2 = ctx.saved_tensors
+        query, latent_kv, topk_indices, key_start, query_pos, out, lse2 = ctx.saved_tensors
         scale, v = ctx.softmax_scale, ctx.v_channels
         s, b, n, d = query.shape
+        s_kv = latent_kv.size(0)
         w = topk_indices.size(-1)
         do = grad_out.contiguous()
         delta = torch.empty(s, b, n, dtype=torch.float32, device=query.device)  # by the dQ kernel
-        has_start = key_start is not None
+        has_start, has_qpos = key_start is not None, query_pos is not None
         start = key_start if has_start else topk_indices
+        qpos = query_pos if has_qpos else topk_indices
         common = (s, b, n, w, scale, scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
                   *topk_indices.stride()[:2], *do.stride()[:3])
         grad_query = torch.empty_like(query)
         meta = _meta("dq", n, v, d - v, query.dtype)
         _dq_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
-            query, latent_kv, do, out, topk_indices, start, lse2, delta, grad_query, *common,
-            *out.stride()[:3], HAS_KSTART=has_start, **meta)
+            query, latent_kv, do, out, topk_indices, start, qpos, lse2, delta, grad_query, *common,
+            *out.stride()[:3], HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
 
-        grad_kv = torch.zeros(b * s, d, dtype=torch.float32, device=query.device)
+        grad_kv = torch.zeros(b * s_kv, d, dtype=torch.float32, device=query.device)
         chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * query.element_size())))
         partial = torch.empty(chunk, w, d, dtype=query.dtype, device=query.device)
         flat = topk_indices.reshape(b * s, w)
@@ -386,58 +413,65 @@ class _SparseMLATriton(torch.autograd.Function):
         for t0 in range(0, b * s, chunk):
             t1 = min(t0 + chunk, b * s)
             _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, meta["BK"]))](
-                query, latent_kv, do, topk_indices, start, lse2, delta, partial, t0, *common,
-                HAS_KSTART=has_start, **meta)
-            # flat key ids (batch * s + key) of the chunk's valid slots, invalid -> b * s (last);
-            # they lie in [first key of t0's batch row, t1)
+                query, latent_kv, do, topk_indices, start, qpos, lse2, delta, partial, t0, *common,
+                HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
+            # flat key ids (batch * s_kv + key) of the chunk's valid slots, invalid -> b * s_kv
+            # (last); they lie in [key0, key_end): from the first key of t0's batch row to t1
+            # (key <= i) or, with query_pos, to the end of t1 - 1's batch row
             token = torch.arange(t0, t1, device=query.device)
             lowest = key_start[token % s] if has_start else torch.zeros_like(token)
+            highest = query_pos[token % s].to(torch.int64) if has_qpos else token % s
             keys = flat[t0:t1].to(torch.int64)
-            valid = (keys >= lowest[:, None]) & (keys <= (token % s)[:, None])
-            flat_key = torch.where(valid, keys + (token // s * s)[:, None], b * s)
-            key0 = t0 // s * s
+            valid = (keys >= lowest[:, None]) & (keys <= highest[:, None])
+            flat_key = torch.where(valid, keys + (token // s * s_kv)[:, None], b * s_kv)
+            key0 = t0 // s * s_kv
+            key_end = ((t1 - 1) // s + 1) * s_kv if has_qpos else t1
             sorted_keys, order = torch.sort(flat_key.reshape(-1), stable=True)
             segment = torch.searchsorted(
-                sorted_keys, torch.arange(key0, t1 + 1, device=query.device))
-            _dkv_reduce_kernel[(t1 - key0, triton.cdiv(d, 64))](
+                sorted_keys, torch.arange(key0, key_end + 1, device=query.device))
+            _dkv_reduce_kernel[(key_end - key0, triton.cdiv(d, 64))](
                 partial, order, segment, grad_kv, key0, d, BR=16, BD=64, num_warps=2)
-        grad_kv = grad_kv.view(b, s, 1, d).transpose(0, 1).to(latent_kv.dtype)
-        return grad_query, grad_kv, None, None, None, None, None
+        grad_kv = grad_kv.view(b, s_kv, 1, d).transpose(0, 1).to(latent_kv.dtype)
+        return grad_query, grad_kv, None, None, None, None, None, None
 
 
 def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
                       softmax_scale: float, *, v_channels: int,
-                      key_start: torch.Tensor | None = None, return_slot_probs: bool = False
+                      key_start: torch.Tensor | None = None,
+                      query_pos: torch.Tensor | None = None, return_slot_probs: bool = False
                       ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention of ``query [s, b, n, d_k]`` over its selected latent keys (Triton).
+    """Causal attention of ``query [s_q, b, n, d_k]`` over its selected latent keys
+    ``latent_kv [s_kv, b, 1, d_k]`` (Triton).
 
-    See the module docstring for layouts, masking and the unique-keys precondition. Returns
-    ``[s, b, n, v_channels]`` in ``query.dtype``; differentiable in ``query`` and ``latent_kv``,
+    See the module docstring for layouts, masking (query row ``i`` sits at key position
+    ``query_pos[i]``, default ``i``) and the unique-keys precondition. Returns
+    ``[s_q, b, n, v_channels]`` in ``query.dtype``; differentiable in ``query`` and ``latent_kv``,
     deterministically. Any ``n``, ``W``, ``v_channels`` and tail width work (channel and head
     blocks are padded to powers of two >= 16 and masked).
 
     With ``return_slot_probs`` also returns, without grad, the attention probability of each slot
-    summed over the heads, fp32 ``[b, s, W]`` (0 on ignored slots; each row sums to ``n``, or 0
+    summed over the heads, fp32 ``[b, s_q, W]`` (0 on ignored slots; each row sums to ``n``, or 0
     for a query without a valid key): the target of the indexer's KL loss.
     """
+    check_layouts(query, latent_kv, topk_indices, key_start, query_pos)
     s, b, n, d = query.shape
     if query.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"query dtype must be fp32, fp16 or bf16, got {query.dtype}")
-    if latent_kv.shape != (s, b, 1, d) or latent_kv.dtype != query.dtype:
-        raise ValueError(f"latent_kv must be [{s}, {b}, 1, {d}] {query.dtype}, got "
-                         f"{list(latent_kv.shape)} {latent_kv.dtype}")
-    if topk_indices.dim() != 3 or topk_indices.shape[:2] != (b, s) or topk_indices.size(2) < 1:
+    if latent_kv.dtype != query.dtype:
+        raise ValueError(f"latent_kv must be {query.dtype} like query, got {latent_kv.dtype}")
+    if topk_indices.size(2) < 1:
         raise ValueError(f"topk_indices must be [{b}, {s}, W >= 1], got {list(topk_indices.shape)}")
     if topk_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"topk_indices must be int32 or int64, got {topk_indices.dtype}")
+    if query_pos is not None and query_pos.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"query_pos must be int64 (or int32) [{s}], got {query_pos.dtype}")
     if not 0 < v_channels <= d:
         raise ValueError(f"v_channels={v_channels} must be in (0, d_k={d}]")
-    if key_start is not None and key_start.shape != (s,):
-        raise ValueError(f"key_start must be [{s}], got {list(key_start.shape)}")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
     out, probs = _SparseMLATriton.apply(
         query.contiguous(), latent_kv.contiguous(), topk_indices.contiguous(),
-        None if key_start is None else key_start.contiguous(), softmax_scale, v_channels,
+        None if key_start is None else key_start.contiguous(),
+        None if query_pos is None else query_pos.contiguous(), softmax_scale, v_channels,
         return_slot_probs)
     return (out, probs) if return_slot_probs else out

@@ -10,7 +10,23 @@ cover:
 * Head counts: padded to what the kernels tile (a power of two >= 16 up to 64, else a multiple of
   64) with zero queries, whose outputs are dropped (their gradient is zero).
 * Causality and packed THD documents: SparseMLA only skips ``-1`` slots, so every slot outside
-  ``[key_start[i], i]`` is turned into ``-1`` first (:func:`valid_indices`).
+  ``[key_start[i], query_pos[i]]`` (``query_pos[i] = i`` by default) is turned into ``-1`` first
+  (:func:`valid_indices`).
+* Context parallelism (``query_pos``: ``s_q`` local query rows at arbitrary positions of the full
+  sequence against all ``s_kv`` latent keys): SparseMLA takes it as is. Checked in megatron-core
+  0.19.2's ``ops/sparse_mla.py``, ``ops/tilelang_sparse_mla_fwd.py`` and
+  ``ops/tilelang_sparse_mla_bwd.py``: ``SparseMLA`` documents q ``[b, seq_len, H, 576]`` and kv
+  ``[b, seq_len_kv, 1, 576]``; both kernels declare ``seq_len`` and ``seq_len_kv`` as separate
+  ``T.dynamic`` sizes (q, o, indices, lse, delta over ``seq_len``; kv and the fp32 dKV buffer over
+  ``seq_len_kv``); the interfaces pad each to its own bucket (``MCORE_DSA_TILELANG_SEQ_BUCKET``)
+  and slice the outputs back (``dkv[:, :S_kv]``); a slot loads ``KV[b, max(idx, 0)]`` and is
+  masked only by ``idx != -1`` (the forward's ``max_kv_i = q_i`` is never used), so a query row's
+  own position plays no part, and dKV is accumulated with atomics at ``dKV[b, idx]`` for any
+  ``idx < seq_len_kv``. megatron's own absorbed-DSA hook (``fused_sparse_mla_absorbed`` in
+  ``ops/tilelang_dsa.py``) likewise checks batch and ``indices.size(1) == query.size(0)`` but not
+  ``query.size(0) == key.size(0)``, and its ``DSAttention`` runs allgather CP the same way (local
+  queries, keys gathered in full-sequence order, ``dsa.py``). Read, not run here on a GPU with
+  ``s_q != s_kv``.
 * The indexer: logits of at most ``chunk_size`` queries at a time (``[chunk, n]`` FP32, never
   ``[t, n]``), masked outside each query's ``[lo, hi)``, then ``torch.topk``. Ties among exactly
   equal scores follow ``torch.topk`` (not the lower-index rule of :mod:`kpool_layers.topk`).
@@ -27,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from kpool_layers.sparse_attention import check_layouts
+
 TILELANG_DIM = 576
 """Channels SparseMLA is specialised for (512 latent + 64 rope)."""
 TILELANG_V = 512
@@ -40,19 +58,23 @@ def tilelang_heads(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def valid_indices(topk_indices: Tensor, key_start: Optional[Tensor]) -> Tensor:
-    """int32 ``[b, s, W]``: ``topk_indices`` with every slot outside ``[key_start[i], i]`` (causal,
-    same document; ``key_start`` int ``[s]`` or None = 0) set to -1."""
+def valid_indices(topk_indices: Tensor, key_start: Optional[Tensor],
+                  query_pos: Optional[Tensor] = None) -> Tensor:
+    """int32 ``[b, s_q, W]``: ``topk_indices`` with every slot outside
+    ``[key_start[i], query_pos[i]]`` (causal, same document; ``key_start`` int ``[s_q]`` or None =
+    0, ``query_pos`` int ``[s_q]`` or None = ``arange(s_q)``) set to -1."""
     s = topk_indices.shape[1]
     rows = torch.arange(s, device=topk_indices.device)
     lowest = key_start if key_start is not None else torch.zeros_like(rows)
-    ok = (topk_indices >= lowest[None, :, None]) & (topk_indices <= rows[None, :, None])
+    highest = query_pos if query_pos is not None else rows
+    ok = (topk_indices >= lowest[None, :, None]) & (topk_indices <= highest[None, :, None])
     return torch.where(ok, topk_indices, -1).to(torch.int32)
 
 
 SparseMLAKernel = Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]
-"""``(q [b, s, H, 576], kv [b, s, 1, 576], indices int32 [b, s, 1, W], scale) -> (out [b, s, H,
-512], lse)``: megatron-core's ``SparseMLA.apply``."""
+"""``(q [b, s_q, H, 576], kv [b, s_kv, 1, 576], indices int32 [b, s_q, 1, W] in [0, s_kv) or -1,
+scale) -> (out [b, s_q, H, 512], lse)``: megatron-core's ``SparseMLA.apply`` (skips only -1
+slots; no causal mask of its own)."""
 
 
 def megatron_sparse_mla() -> SparseMLAKernel:
@@ -66,24 +88,27 @@ def megatron_sparse_mla() -> SparseMLAKernel:
 
 def sparse_mla_tilelang(query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
                         softmax_scale: float, *, v_channels: int, key_start: Optional[Tensor],
-                        kernel: SparseMLAKernel) -> Tensor:
+                        kernel: SparseMLAKernel, query_pos: Optional[Tensor] = None) -> Tensor:
     """:func:`kpool_layers.sparse_attention.sparse_mla_attention`'s contract on ``kernel``.
 
-    ``query [s, b, n, d]``, ``latent_kv [s, b, 1, d]`` with ``d`` 576 (GLM-5) or 512 (NoPE),
-    ``v_channels`` 512, ``topk_indices [b, s, W]`` (valid slots unique per row, as the indexer makes
-    them) -> ``[s, b, n, 512]``. Differentiable in query and latent_kv through the padding."""
+    ``query [s_q, b, n, d]``, ``latent_kv [s_kv, b, 1, d]`` (``s_kv >= s_q``; ``s_kv == s_q``
+    without ``query_pos``) with ``d`` 576 (GLM-5) or 512 (NoPE), ``v_channels`` 512,
+    ``topk_indices [b, s_q, W]`` (valid slots unique per row, as the indexer makes them),
+    ``key_start`` / ``query_pos`` int64 ``[s_q]`` or None -> ``[s_q, b, n, 512]``. Differentiable in
+    query and latent_kv (``[s_kv, b, 1, d]`` gradient) through the padding."""
+    check_layouts(query, latent_kv, topk_indices, key_start, query_pos)
     s, b, n, d = query.shape
     if v_channels != TILELANG_V or d not in (TILELANG_V, TILELANG_DIM):
         raise ValueError(f"TileLang SparseMLA needs v_channels {TILELANG_V} and d {TILELANG_V} or "
                          f"{TILELANG_DIM}, got {v_channels} and {d}")
-    q = query.transpose(0, 1)  # [b, s, n, d]
-    kv = latent_kv.transpose(0, 1)  # [b, s, 1, d]
+    q = query.transpose(0, 1)  # [b, s_q, n, d]
+    kv = latent_kv.transpose(0, 1)  # [b, s_kv, 1, d]
     if d == TILELANG_V:  # NoPE: zero rope channels
         q, kv = F.pad(q, (0, TILELANG_DIM - d)), F.pad(kv, (0, TILELANG_DIM - d))
     heads = tilelang_heads(n)
     if heads != n:
         q = F.pad(q, (0, 0, 0, heads - n))
-    indices = valid_indices(topk_indices, key_start).unsqueeze(2)  # [b, s, 1, W]
+    indices = valid_indices(topk_indices, key_start, query_pos).unsqueeze(2)  # [b, s_q, 1, W]
     out, _ = kernel(q.contiguous(), kv.contiguous(), indices.contiguous(), softmax_scale)
     return out[:, :, :n].transpose(0, 1)
 
