@@ -218,9 +218,9 @@ def test_index_share_skip_layer_reuses_source_indices(single_rank_parallel_state
     used: list[torch.Tensor] = []
     real = TorchSparseMLA.forward
 
-    def recording(self, query, key, topk, key_start):  # noqa: ANN001, ANN202
+    def recording(self, query, key, topk, key_start, query_pos):  # noqa: ANN001, ANN202
         used.append(topk)
-        return real(self, query, key, topk, key_start)
+        return real(self, query, key, topk, key_start, query_pos)
 
     monkeypatch.setattr(TorchSparseMLA, "forward", recording)
     torch.manual_seed(0)
