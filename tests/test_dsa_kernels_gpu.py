@@ -135,6 +135,32 @@ def test_triton_sparse_mla_with_query_pos_matches_torch(packed: bool) -> None:
     assert _rel(total, full_dkv) <= REL  # what CP's reduce-scatter of the key gradient adds up
 
 
+@pytest.mark.skipif("tilelang" not in BACKENDS, reason="needs tilelang")
+@pytest.mark.parametrize("rope", [64, 0])
+def test_tilelang_sparse_mla_with_query_pos_matches_torch(rope: int) -> None:
+    """megatron's TileLang SparseMLA with local query rows (CP=2, rank 0: chunks 0 and 3 of 4)
+    against all latent keys (``s_q != s_kv``) vs the FP32 torch path: output, dq, dkv."""
+    from tests.test_sparse_attention import cp_rows
+
+    g = torch.Generator(device="cuda").manual_seed(5 + rope)
+    s, heads, v, width = 1024, 64, 512, 256
+    d = v + rope
+    start = torch.arange(s, device="cuda") // 300 * 300
+    idx = _indices(s, width, start, g)
+    rows = cp_rows(s, 2, 0).cuda()
+    q = torch.randn(s // 2, 1, heads, d, device="cuda", generator=g).bfloat16().requires_grad_()
+    kv = torch.randn(s, 1, 1, d, device="cuda", generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(s // 2, 1, heads, v, device="cuda", generator=g).bfloat16()
+    out = _attention("tilelang")(q, kv, idx[:, rows], d ** -0.5, v_channels=v,
+                                 key_start=start[rows], query_pos=rows)
+    dq, dkv = torch.autograd.grad(out, (q, kv), grad)
+    q32, kv32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    ref = sparse_mla_attention(q32, kv32, idx[:, rows], d ** -0.5, v_channels=v, chunk_size=256,
+                               key_start=start[rows], query_pos=rows)
+    rq, rkv = torch.autograd.grad(ref, (q32, kv32), grad.float())
+    assert _rel(out, ref) <= REL and _rel(dq, rq) <= REL and _rel(dkv, rkv) <= REL
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kpool", [1, 4])
 def test_indexer_topk_selects_the_torch_sets(backend: str, kpool: int) -> None:
