@@ -135,6 +135,27 @@ def test_triton_sparse_mla_with_query_pos_matches_torch(packed: bool) -> None:
     assert _rel(total, full_dkv) <= REL  # what CP's reduce-scatter of the key gradient adds up
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads,width", [(16, 131), (64, 131), (16, 128)])
+def test_sparse_mla_slot_widths_of_kpool(backend: str, heads: int, width: int) -> None:
+    """KPool's ``topk + kpool - 1`` slots with -1 groups in the middle of a row (unselected pools
+    before the tail). megatron's own padding of such widths is wrong below 64 heads (16 heads,
+    W = 131: relative error 0.5), which the TileLang adapter avoids by padding itself."""
+    g = torch.Generator(device="cuda").manual_seed(heads + width)
+    s, v, d = 1024, 512, 576
+    q = torch.randn(s, 1, heads, d, device="cuda", generator=g).bfloat16().requires_grad_()
+    kv = torch.randn(s, 1, 1, d, device="cuda", generator=g).bfloat16().requires_grad_()
+    idx = torch.roll(_indices(s, width, torch.zeros(s, dtype=torch.long, device="cuda"), g),
+                     width // 2, dims=-1)  # -1 slots mid-row
+    grad = torch.randn(s, 1, heads, v, device="cuda", generator=g).bfloat16()
+    out = _attention(backend)(q, kv, idx, d ** -0.5, v_channels=v, key_start=None)
+    dq, dkv = torch.autograd.grad(out, (q, kv), grad)
+    q32, kv32 = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    ref = sparse_mla_attention(q32, kv32, idx, d ** -0.5, v_channels=v, chunk_size=256)
+    rq, rkv = torch.autograd.grad(ref, (q32, kv32), grad.float())
+    assert _rel(out, ref) <= REL and _rel(dq, rq) <= REL and _rel(dkv, rkv) <= REL
+
+
 @pytest.mark.skipif("tilelang" not in BACKENDS, reason="needs tilelang")
 @pytest.mark.parametrize("rope", [64, 0])
 def test_tilelang_sparse_mla_with_query_pos_matches_torch(rope: int) -> None:

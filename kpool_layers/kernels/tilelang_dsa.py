@@ -9,6 +9,8 @@ cover:
   latent keys get a zero 64-wide tail (zero channels add nothing to ``q . k``; exact).
 * Head counts: padded to what the kernels tile (a power of two >= 16 up to 64, else a multiple of
   64) with zero queries, whose outputs are dropped (their gradient is zero).
+* Slot widths (KPool's ``topk + kpool - 1``): padded with -1 slots to a multiple of
+  :data:`TILELANG_SLOT_BLOCK` (SparseMLA is wrong for 192 slots at 16 heads).
 * Causality and packed THD documents: SparseMLA only skips ``-1`` slots, so every slot outside
   ``[key_start[i], query_pos[i]]`` (``query_pos[i] = i`` by default) is turned into ``-1`` first
   (:func:`valid_indices`).
@@ -48,6 +50,12 @@ from kpool_layers.sparse_attention import check_layouts
 TILELANG_DIM = 576
 """Channels SparseMLA is specialised for (512 latent + 64 rope)."""
 TILELANG_V = 512
+TILELANG_SLOT_BLOCK = 128
+"""Slot widths we hand SparseMLA: multiples of 128 (two of its 64-slot blocks). Measured on an
+H200 (megatron-core 0.19.2, tilelang 0.1.15, bf16, 576/512, forward vs an FP32 reference): with 16
+heads W = 192 is wrong (relative error 0.32; 0.5 for W = 131, which megatron pads to 192), while
+W = 128, 256, 320, 384, 512, 1024 and every width at 32 or 64 heads are right (2e-3); so the
+adapter pads with -1 slots to a multiple of 128 itself (docs/kernels.md)."""
 
 
 def tilelang_heads(n: int) -> int:
@@ -108,7 +116,9 @@ def sparse_mla_tilelang(query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
     heads = tilelang_heads(n)
     if heads != n:
         q = F.pad(q, (0, 0, 0, heads - n))
-    indices = valid_indices(topk_indices, key_start, query_pos).unsqueeze(2)  # [b, s_q, 1, W]
+    indices = valid_indices(topk_indices, key_start, query_pos)
+    width = -(-indices.shape[-1] // TILELANG_SLOT_BLOCK) * TILELANG_SLOT_BLOCK
+    indices = F.pad(indices, (0, width - indices.shape[-1]), value=-1).unsqueeze(2)  # [b, s_q, 1, W']
     out, _ = kernel(q.contiguous(), kv.contiguous(), indices.contiguous(), softmax_scale)
     return out[:, :, :n].transpose(0, 1)
 
