@@ -24,12 +24,12 @@ reduce-scattered back), so each local query scores every key of the row it may s
 document boundaries (``cu_seqlens`` of the whole row) are global, and the output's ``layout`` holds
 this rank's query rows (:meth:`PoolLayout.for_queries`).
 
-Precision (``docs/precision.md``): every computation runs under explicit
-:class:`IndexerNumerics`. The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are
-fixed at construction from ``config.precision``: the projections through their (precision-routed)
-linear modules and, with ``precision.dsa_indexer_kpool_use_quantization``, scoring with the serving
-engines' quantized index inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query
-head and every scored key, whose Hadamard replaces ``rotate_activation``), equal to
+Precision (``docs/precision.md``): every computation runs under explicit :class:`IndexerNumerics`.
+The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are fixed at
+construction from the config: the projections through their (precision-routed) linear modules and,
+with ``precision.dsa_indexer_kpool_use_quantization``, scoring with the serving engines' quantized
+index inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every
+scored key, whose Hadamard replaces ``rotate_activation``), equal to
 :func:`kpool_layers.fp8.serving_index_scores`. :meth:`DSAIndexer.recompute` redoes a forward's
 selection under other numerics (the top-k drift reference, ``recipes.drift_logging``), and
 :meth:`ScoredSelection.of` is what a selection scored.

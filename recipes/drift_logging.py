@@ -6,7 +6,7 @@ Per measured step (all ranks take part):
 1. :meth:`DriftMonitor.arm` before the forward-backward registers a forward hook on every indexer
    that computes its own top-k (this stage's, :func:`drift_indexers`); the hook records the
    indexer's first forward of the step (:class:`Recorded`: its arguments and what its selection
-   scored). Nothing is set on the modules.
+   scored); no attribute is set on the modules.
 2. :meth:`DriftMonitor.measure` after the forward-backward and *before* the optimizer step (the
    weights are still those of the forward) removes the hooks; each indexer recomputes the
    selection from the recorded arguments under the reference numerics (:func:`reference_numerics`)
@@ -96,7 +96,8 @@ class Recorded:
         return cls(arguments, ScoredSelection.of(output, indexer.numerics))
 
 
-def layer_drift(indexer: DSAIndexer, recorded: Recorded, numerics: IndexerNumerics) -> dict[str, torch.Tensor]:
+def layer_drift(indexer: DSAIndexer, recorded: Recorded,
+                numerics: IndexerNumerics) -> dict[str, torch.Tensor]:
     """Drift metrics of the indexer's recorded forward against a recomputation under ``numerics``
     (a collective over the CP group: every CP rank calls it for the same layers)."""
     cfg = indexer.config
