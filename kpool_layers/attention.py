@@ -97,8 +97,9 @@ class IndexerLossAutoScaler(torch.autograd.Function):
     ``apply(output, loss)`` returns ``output``; in backward the loss receives the gradient
     ``main_loss_backward_scale`` (1 until :meth:`set_loss_scale` is called), so the auxiliary loss
     is scaled exactly like the main loss (loss scaling, 1 / num_microbatches). megatron's schedules
-    call ``config.experimental_attention_variant_loss_scale_func`` after every forward step;
-    :class:`GLMSparseMLA` installs :meth:`set_loss_scale` there when the indexer loss is on.
+    call ``config.experimental_attention_variant_loss_scale_func`` after every forward step: set
+    it to :meth:`set_loss_scale` when the indexer loss is on (``recipes.megatron_config`` does,
+    once for the model's config).
     """
 
     main_loss_backward_scale: Optional[torch.Tensor] = None
@@ -192,9 +193,9 @@ class GLMSparseMLA(MegatronModule):
 
     Built by megatron's ``TransformerLayer`` from :func:`glm_attention_spec`: ``topk_share`` and
     ``attn_mask_type`` come from the spec's params; ``cp_comm_type``, ``pp_layer_offset`` and
-    ``name`` are accepted for ``TransformerLayer``'s call and not used. Constructing a layer with
-    ``dsa_indexer_loss_coeff > 0`` installs :meth:`IndexerLossAutoScaler.set_loss_scale` as
-    ``config.experimental_attention_variant_loss_scale_func`` unless one is set.
+    ``name`` are accepted for ``TransformerLayer``'s call and not used. With
+    ``dsa_indexer_loss_coeff > 0`` the config's ``experimental_attention_variant_loss_scale_func``
+    should be :meth:`IndexerLossAutoScaler.set_loss_scale` (the layer does not write the config).
     """
 
     def __init__(
@@ -266,9 +267,6 @@ class GLMSparseMLA(MegatronModule):
                                            v_channels=config.kv_lora_rank)
 
         self.uses_indexer_loss = bool(config.dsa_indexer_loss_coeff) and self.computes_topk
-        if self.uses_indexer_loss and config.experimental_attention_variant_loss_scale_func is None:
-            config.experimental_attention_variant_loss_scale_func = (
-                IndexerLossAutoScaler.set_loss_scale)
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
 

@@ -24,13 +24,15 @@ reduce-scattered back), so each local query scores every key of the row it may s
 document boundaries (``cu_seqlens`` of the whole row) are global, and the output's ``layout`` holds
 this rank's query rows (:meth:`PoolLayout.for_queries`).
 
-Precision (``docs/precision.md``): ``index_quant`` (set by the precision setup from
-``precision.dsa_indexer_kpool_use_quantization``) scores with the serving engines' quantized index
-inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every scored
-key, whose Hadamard replaces ``rotate_activation``), equal to
-:func:`kpool_layers.fp8.serving_index_scores`. For top-k drift, ``capture_for_drift`` keeps one
-forward's inputs and selection (:class:`DriftCapture`) and :meth:`DSAIndexer.recompute` redoes the
-selection from them under other numerics (:class:`IndexerNumerics`).
+Precision (``docs/precision.md``): every computation runs under explicit :class:`IndexerNumerics`.
+The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are fixed at
+construction from the config: the projections through their (precision-routed) linear modules and,
+with ``precision.dsa_indexer_kpool_use_quantization``, scoring with the serving engines' quantized
+index inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every
+scored key, whose Hadamard replaces ``rotate_activation``), equal to
+:func:`kpool_layers.fp8.serving_index_scores`. :meth:`DSAIndexer.recompute` redoes a forward's
+selection under other numerics (the top-k drift reference, ``recipes.drift_logging``), and
+:meth:`ScoredSelection.of` is what a selection scored.
 """
 
 from __future__ import annotations
@@ -72,36 +74,74 @@ class IndexerOutput:
     """Where the pools are and which ones each query row sees (the same for every batch row)."""
 
 
-# --- precision: serving-quantized scoring and top-k drift capture ------------------------------
+# --- precision: the numerics an indexer computation runs under, and what a selection scored ---
+
+
+@dataclass(frozen=True)
+class RoutedProjections:
+    """The q / k / head-weights projections and the KPool gate run their linear modules' forwards,
+    i.e. as :func:`kpool_layers.precision.apply_precision` routed them (FP8, or the role's dtype):
+    the training path."""
+
+    def qk(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``linear(x)``: ``x [..., n_in]`` -> ``[..., n_out]`` (q / k projection, KPool gate)."""
+        return linear(x)
+
+    def weights(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``linear(x)``: ``x [..., hidden]`` -> ``[..., n_heads]`` (head weights, ``kpool == 1``)."""
+        return linear(x)
+
+
+@dataclass(frozen=True)
+class PlainProjections:
+    """The projections as unquantized GEMMs ``x @ w.T`` in a given dtype (input and weight cast;
+    the same GEMM the routing computes for unquantized roles), bypassing the linears' routing:
+    the drift reference.
+
+    ``qk_dtype``: q / k projections and KPool gate; ``weights_dtype``: head-weights projection
+    (``kpool > 1`` keeps the KPool contract's FP32 GEMM whatever the numerics)."""
+
+    qk_dtype: torch.dtype
+    weights_dtype: torch.dtype
+
+    def qk(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``x [..., n_in]`` -> ``[..., n_out]`` in ``qk_dtype``."""
+        return x.to(self.qk_dtype) @ linear.weight.to(self.qk_dtype).t()
+
+    def weights(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
+        """``x [..., hidden]`` -> ``[..., n_heads]`` in ``weights_dtype``."""
+        return x.to(self.weights_dtype) @ linear.weight.to(self.weights_dtype).t()
 
 
 @dataclass(frozen=True)
 class IndexerNumerics:
-    """Numerics of a recomputation that bypasses the linears' precision routing (drift reference).
+    """The numerics of one indexer computation (training or a drift reference).
 
-    ``qk_dtype``: q/k projections and KPool gate, unquantized GEMMs in this dtype (inputs cast);
-    ``weights_dtype``: head-weights projection dtype (``kpool > 1`` keeps the contract's FP32);
-    ``k_norm_fp32``: key LayerNorm in FP32; ``index_quant``: serving scale format
-    (``ue8m0`` | ``amax``) to score with :func:`serving_index_quant`-ed inputs, or None."""
+    ``projections``: how the linears run (:class:`RoutedProjections` = training,
+    :class:`PlainProjections` = unrouted GEMMs in given dtypes); ``k_norm_fp32``: key LayerNorm in
+    FP32; ``index_quant``: serving scale format (``ue8m0`` | ``amax``) to score with
+    :func:`serving_index_quant`-ed inputs, None = score the (rotated) q / keys as they are."""
 
-    qk_dtype: torch.dtype
-    weights_dtype: torch.dtype
+    projections: RoutedProjections | PlainProjections
     k_norm_fp32: bool
     index_quant: Optional[str]
 
 
-@dataclass
-class DriftCapture:
-    """One indexer forward, kept for the drift recomputation (all detached).
+def training_numerics(config: GLMTransformerConfig) -> IndexerNumerics:
+    """The numerics the indexer trains with: routed projections, the key LayerNorm precision of
+    ``config.dsa_indexer_k_norm_fp32`` (megatron's field, which the recipes derive from the
+    policy) and ``config.precision``'s serving-quantized scoring."""
+    return IndexerNumerics(
+        projections=RoutedProjections(),
+        k_norm_fp32=config.dsa_indexer_k_norm_fp32,
+        index_quant=config.precision.indexer_numerics.index_quant,
+    )
 
-    ``hidden [s_q, b, hidden]``, ``q_latent [s_q, b, q_lora_rank]``, ``rotary_fn``, ``cu_seqlens``
-    are the forward's inputs; ``scored`` the training path's selection and scoring inputs."""
 
-    hidden: Tensor
-    q_latent: Tensor
-    rotary_fn: Optional[Callable[[Tensor], Tensor]]
-    cu_seqlens: Optional[Tensor]
-    scored: "ScoredSelection"
+def scoring_input(x: Tensor, index_quant: Optional[str]) -> Tensor:
+    """What the top-k scores of index q ``[..., head_dim]`` or keys ``[..., head_dim]``:
+    :func:`serving_index_quant` per ``head_dim`` vector under ``index_quant``, else ``x``."""
+    return serving_index_quant(x, index_quant) if index_quant is not None else x
 
 
 @dataclass
@@ -109,13 +149,25 @@ class ScoredSelection:
     """A selection and exactly what was scored to make it (detached).
 
     ``topk_indices`` int64 ``[b, s_q, W]``; ``q [s_q, b, h, d]`` and ``keys [n, b, d]`` as scored
-    (dequantized FP32 under ``index_quant``); ``weights [s_q, b, h]``; ``layout``."""
+    (dequantized under ``index_quant``); ``weights [s_q, b, h]``; ``layout``."""
 
     topk_indices: Tensor
     q: Tensor
     keys: Tensor
     weights: Tensor
     layout: PoolLayout
+
+    @classmethod
+    def of(cls, out: IndexerOutput, numerics: IndexerNumerics) -> ScoredSelection:
+        """What the forward that returned ``out`` under ``numerics`` scored (its q and keys
+        through :func:`scoring_input`: per-vector, so equal to what the forward scored)."""
+        return cls(
+            topk_indices=out.topk_indices.detach(),
+            q=scoring_input(out.q.detach(), numerics.index_quant),
+            keys=scoring_input(out.keys.detach(), numerics.index_quant),
+            weights=out.weights.detach(),
+            layout=out.layout,
+        )
 
     def scores(self, row: int, relu: bool, chunk_size: int) -> Tensor:
         """FP32 ``[s_q, n]`` index scores of batch row ``row`` (``chunk_size`` queries at a time),
@@ -198,12 +250,8 @@ class DSAIndexer(MegatronModule):
             param.average_gradients_across_tp_domain = True  # type: ignore[attr-defined]
         groups = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
         self.tp_group, self.cp_group = groups.tp, groups.cp
-        # --- precision (set by recipes.precision_setup / recipes.drift_logging) ---
-        self.index_quant: Optional[str] = None
-        """Serving scale format (ue8m0 | amax) to score with serving-quantized inputs; None = off."""
-        self.capture_for_drift = False
-        """Keep the next forward's :class:`DriftCapture` in ``drift_capture`` (then resets)."""
-        self.drift_capture: Optional[DriftCapture] = None
+        self.numerics = training_numerics(config)
+        """The numerics :meth:`forward` computes under (fixed at construction)."""
 
     def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
         """Module casts/moves, except that ``index_kpool_compress_ape`` never drops below FP32."""
@@ -229,7 +277,8 @@ class DSAIndexer(MegatronModule):
         rotary_fn: Optional[Callable[[Tensor], Tensor]] = None,
         cu_seqlens: Optional[Tensor] = None,
     ) -> IndexerOutput:
-        """Index queries/keys/weights and the top-k selection.
+        """Index queries/keys/weights and the top-k selection under the training numerics
+        (``self.numerics``).
 
         Args:
             hidden: [s_q, b, hidden] this CP rank's rows (the full sequence without CP), already
@@ -239,34 +288,21 @@ class DSAIndexer(MegatronModule):
                 qk_pos_emb_head_dim]; None iff NoPE.
             cu_seqlens: int32 [n_docs + 1] packed THD boundaries of the whole row (then b == 1).
         """
-        if (rotary_fn is None) != (self.rope_dim == 0):
-            raise ValueError(
-                f"rotary_fn must be given iff qk_pos_emb_head_dim > 0 (it is {self.rope_dim})"
-            )
-        if cu_seqlens is not None and hidden.shape[1] != 1:
-            raise ValueError(f"packed THD input needs batch size 1, got {hidden.shape[1]}")
-        hidden, q_latent = hidden.detach(), q_latent.detach()
-        out, scored = self._index(hidden, q_latent, rotary_fn, cu_seqlens, numerics=None)
-        if self.capture_for_drift:
-            self.capture_for_drift = False
-            self.drift_capture = DriftCapture(hidden, q_latent, rotary_fn, cu_seqlens, scored)
-        return out
+        return self._index(hidden, q_latent, rotary_fn, cu_seqlens, self.numerics)
 
     @torch.no_grad()
-    def recompute(self, capture: DriftCapture, numerics: IndexerNumerics) -> ScoredSelection:
-        """The selection of the captured forward redone under ``numerics`` (same weights, same
-        inputs, linears' precision routing bypassed)."""
-        _, scored = self._index(
-            capture.hidden, capture.q_latent, capture.rotary_fn, capture.cu_seqlens, numerics
-        )
-        return scored
-
-    def _project(self, linear: torch.nn.Linear, x: Tensor, dtype: Optional[torch.dtype]) -> Tensor:
-        """``linear(x)`` (precision-routed) or, with ``dtype``, an unquantized GEMM in ``dtype``
-        (the same ``x @ w.T`` the routing computes for unquantized roles)."""
-        if dtype is None:
-            return linear(x)
-        return x.to(dtype) @ linear.weight.to(dtype).t()
+    def recompute(
+        self,
+        numerics: IndexerNumerics,
+        hidden: Tensor,
+        q_latent: Tensor,
+        rotary_fn: Optional[Callable[[Tensor], Tensor]] = None,
+        cu_seqlens: Optional[Tensor] = None,
+    ) -> IndexerOutput:
+        """:meth:`forward`'s computation on the same arguments (same layouts) under ``numerics``,
+        without grad (same weights; under CP every rank of the group must call it, as the keys
+        are gathered)."""
+        return self._index(hidden, q_latent, rotary_fn, cu_seqlens, numerics)
 
     def _k_norm(self, k: Tensor, fp32: bool) -> Tensor:
         if not fp32:
@@ -282,18 +318,23 @@ class DSAIndexer(MegatronModule):
         q_latent: Tensor,
         rotary_fn: Optional[Callable[[Tensor], Tensor]],
         cu_seqlens: Optional[Tensor],
-        numerics: Optional[IndexerNumerics],
-    ) -> tuple[IndexerOutput, ScoredSelection]:
-        """The indexer computation; ``numerics=None`` is the training path (routed linears,
-        ``config.dsa_indexer_k_norm_fp32``, ``self.index_quant``)."""
+        numerics: IndexerNumerics,
+    ) -> IndexerOutput:
+        """The indexer computation (arguments as :meth:`forward`'s) under ``numerics``; the
+        inputs are detached."""
+        if (rotary_fn is None) != (self.rope_dim == 0):
+            raise ValueError(
+                f"rotary_fn must be given iff qk_pos_emb_head_dim > 0 (it is {self.rope_dim})"
+            )
+        if cu_seqlens is not None and hidden.shape[1] != 1:
+            raise ValueError(f"packed THD input needs batch size 1, got {hidden.shape[1]}")
+        hidden, q_latent = hidden.detach(), q_latent.detach()
         cfg = self.config
         s, b, _ = hidden.shape  # this CP rank's rows
-        qk_dtype = numerics.qk_dtype if numerics else None
-        quant = numerics.index_quant if numerics else self.index_quant
-        k_norm_fp32 = numerics.k_norm_fp32 if numerics else cfg.dsa_indexer_k_norm_fp32
+        project, quant = numerics.projections, numerics.index_quant
 
-        q = self._project(self.linear_wq_b, q_latent, qk_dtype).view(s, b, self.n_heads, self.head_dim)
-        k = self._k_norm(self._project(self.linear_wk, hidden, qk_dtype), k_norm_fp32)
+        q = project.qk(self.linear_wq_b, q_latent).view(s, b, self.n_heads, self.head_dim)
+        k = self._k_norm(project.qk(self.linear_wk, hidden), numerics.k_norm_fp32)
         q = self._rope(q, rotary_fn)
         k = self._rope(k.view(s, b, 1, self.head_dim), rotary_fn).view(s, b, self.head_dim)
         if cfg.dsa_indexer_rotate_activation and quant is None:
@@ -304,28 +345,26 @@ class DSAIndexer(MegatronModule):
             dtype = score_dtype(hidden.dtype)  # FP32 (FP64 stays FP64)
             weights = F.linear(hidden.to(dtype), self.linear_weights_proj.weight.to(dtype)) * scale
         else:
-            w_dtype = numerics.weights_dtype if numerics else None
-            weights = self._project(self.linear_weights_proj, hidden, w_dtype) * scale
+            weights = project.weights(self.linear_weights_proj, hidden) * scale
         # Serving-quantized scoring inputs (its Hadamard replaces rotate_activation).
-        q_scored = serving_index_quant(q, quant) if quant is not None else q
+        q_scored = scoring_input(q, quant)
 
         layout = pool_layout(k.shape[0], self.kpool, cu_seqlens, device=hidden.device)
         positions = query_positions(s, self.cp_group, hidden.device)
         if positions is not None:
             layout = layout.for_queries(positions)
         if self.kpool > 1:
-            gate = gather_sequence(self._project(self.index_kpool_compress_gate, hidden, qk_dtype),
+            gate = gather_sequence(project.qk(self.index_kpool_compress_gate, hidden),
                                    self.cp_group)  # [s_kv, b, head_dim]
-        keys, scored_keys, indices = [], [], []
+        keys, indices = [], []
         for row in range(b):
             row_keys = k[:, row]
             if self.kpool > 1:
                 row_keys = pool_keys(row_keys, gate[:, row], self.index_kpool_compress_ape, layout)
-            row_scored = serving_index_quant(row_keys, quant) if quant is not None else row_keys
             indices.append(
                 kpool_select(
                     q_scored[:, row],
-                    row_scored,
+                    scoring_input(row_keys, quant),
                     weights[:, row],
                     layout,
                     topk=cfg.dsa_indexer_topk,
@@ -335,20 +374,10 @@ class DSAIndexer(MegatronModule):
                 )
             )
             keys.append(row_keys)
-            scored_keys.append(row_scored)
-        topk_indices = torch.stack(indices)
-        out = IndexerOutput(
-            topk_indices=topk_indices,
+        return IndexerOutput(
+            topk_indices=torch.stack(indices),
             q=q,
             weights=weights,
             keys=torch.stack(keys, dim=1),
             layout=layout,
         )
-        scored = ScoredSelection(
-            topk_indices=topk_indices,
-            q=q_scored.detach(),
-            keys=torch.stack(scored_keys, dim=1).detach(),
-            weights=weights.detach(),
-            layout=layout,
-        )
-        return out, scored

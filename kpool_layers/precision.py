@@ -189,11 +189,13 @@ class PrecisionPolicy:
         the head-weights projection in its role's, the key LayerNorm in FP32 when
         ``dsa_indexer_k_norm_fp32`` or an FP32 model, and serving-quantized scoring in
         ``scale_format`` when ``dsa_indexer_kpool_use_quantization``."""
-        from kpool_layers.indexer import IndexerNumerics  # kpool_layers.indexer -> config -> here
+        from kpool_layers.indexer import IndexerNumerics, PlainProjections  # indexer -> config -> here
 
         return IndexerNumerics(
-            qk_dtype=self.compute_dtype(Role.INDEXER_Q, self.params_dtype),
-            weights_dtype=self.compute_dtype(Role.INDEXER_WEIGHTS, self.params_dtype),
+            projections=PlainProjections(
+                qk_dtype=self.compute_dtype(Role.INDEXER_Q, self.params_dtype),
+                weights_dtype=self.compute_dtype(Role.INDEXER_WEIGHTS, self.params_dtype),
+            ),
             k_norm_fp32=self.dsa_indexer_k_norm_fp32 or self.dtype == DType.fp32,
             index_quant=self.scale_format.value if self.dsa_indexer_kpool_use_quantization else None,
         )

@@ -3,14 +3,17 @@ training top-k is from the selection under a reference precision (docs/precision
 
 Per measured step (all ranks take part):
 
-1. :meth:`DriftMonitor.arm` before the forward-backward: every indexer that computes its own top-k
-   keeps its first forward's inputs and selection (``DSAIndexer.capture_for_drift``).
+1. :meth:`DriftMonitor.arm` before the forward-backward registers a forward hook on every indexer
+   that computes its own top-k (this stage's, :func:`drift_indexers`); the hook records the
+   indexer's first forward of the step (:class:`Recorded`: its arguments and what its selection
+   scored); no attribute is set on the modules.
 2. :meth:`DriftMonitor.measure` after the forward-backward and *before* the optimizer step (the
-   weights are still those of the forward): each indexer recomputes the selection from the same
-   inputs under the reference numerics (:func:`reference_numerics`) without grad, and
-   :func:`kpool_layers.drift.topk_drift` / :func:`~kpool_layers.drift.boundary_tie_frac` compare
-   them. Metrics are averaged over data-parallel ranks
-   (:func:`~kpool_layers.drift.reduce_drift_metrics`) and gathered over pipeline stages.
+   weights are still those of the forward) removes the hooks; each indexer recomputes the
+   selection from the recorded arguments under the reference numerics (:func:`reference_numerics`)
+   without grad (``DSAIndexer.recompute``), and :func:`kpool_layers.drift.topk_drift` /
+   :func:`~kpool_layers.drift.boundary_tie_frac` compare them. Metrics are averaged over
+   data-parallel x context-parallel ranks (:func:`~kpool_layers.drift.reduce_drift_metrics`) and
+   gathered over pipeline stages.
 3. :meth:`DriftMonitor.log` on the logging rank: ``dsa/<metric>/layer_<N>`` per layer,
    ``dsa/<metric>`` averaged over layers (metrics.jsonl + wandb), a per-layer ``dsa/drift_table``
    wandb Table on the first and every 10th measurement, and a console line.
@@ -22,14 +25,16 @@ decoder layer (``num_layers + i``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import inspect
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from torch.utils.hooks import RemovableHandle
 
 from kpool_layers.drift import boundary_tie_frac, reduce_drift_metrics, topk_drift
-from kpool_layers.indexer import DSAIndexer, IndexerNumerics, ScoredSelection
+from kpool_layers.indexer import DSAIndexer, IndexerNumerics, IndexerOutput, ScoredSelection
 from kpool_layers.precision import PrecisionPolicy
 from recipes.precision_setup import profile_policy
 from recipes.schema import DriftReference
@@ -67,15 +72,37 @@ def _scores(sel: ScoredSelection, relu: bool, chunk: int) -> torch.Tensor:
     return torch.stack([sel.scores(row, relu, chunk) for row in range(sel.topk_indices.shape[0])])
 
 
-def layer_drift(indexer: DSAIndexer, numerics: IndexerNumerics) -> dict[str, torch.Tensor]:
-    """Drift metrics of the indexer's captured forward against ``numerics``; consumes the capture."""
-    capture = indexer.drift_capture
-    if capture is None:
-        raise RuntimeError(f"indexer of layer {indexer.layer_number} has no drift capture (arm() first)")
-    indexer.drift_capture = None
+@dataclasses.dataclass
+class Recorded:
+    """One indexer forward of a measured step, recorded by :class:`DriftMonitor`'s hook.
+
+    ``arguments``: the forward's arguments by name (``hidden [s_q, b, hidden]``, ``q_latent
+    [s_q, b, q_lora_rank]``, ``rotary_fn``, ``cu_seqlens``; see ``DSAIndexer.forward``), tensors
+    detached; ``train``: what the forward's selection scored (``ScoredSelection.of`` its output
+    under the indexer's training numerics)."""
+
+    arguments: dict[str, Any]
+    train: ScoredSelection
+
+    @classmethod
+    def of_forward(cls, indexer: DSAIndexer, args: tuple, kwargs: dict[str, Any],
+                   output: IndexerOutput) -> Recorded:
+        """The record of ``indexer``'s forward called with ``args`` / ``kwargs`` that returned
+        ``output`` (a forward hook's arguments)."""
+        bound = inspect.signature(indexer.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        arguments = {name: value.detach() if isinstance(value, torch.Tensor) else value
+                     for name, value in bound.arguments.items()}
+        return cls(arguments, ScoredSelection.of(output, indexer.numerics))
+
+
+def layer_drift(indexer: DSAIndexer, recorded: Recorded,
+                numerics: IndexerNumerics) -> dict[str, torch.Tensor]:
+    """Drift metrics of the indexer's recorded forward against a recomputation under ``numerics``
+    (a collective over the CP group: every CP rank calls it for the same layers)."""
     cfg = indexer.config
-    ref = indexer.recompute(capture, numerics)
-    train = capture.scored
+    ref = ScoredSelection.of(indexer.recompute(numerics, **recorded.arguments), numerics)
+    train = recorded.train
     relu, chunk = cfg.dsa_indexer_scoring_relu, cfg.dsa_indexer_query_chunk_size
     with torch.no_grad():
         train_scores, ref_scores = _scores(train, relu, chunk), _scores(ref, relu, chunk)
@@ -95,20 +122,45 @@ class DriftMonitor:
         self.reference = DriftReference(drift_cfg.reference).value
         self.numerics = reference_numerics(self.reference, model.config.precision)
         self.indexers = drift_indexers(model, num_layers)
+        self._hooks: list[RemovableHandle] = []
+        self._recorded: dict[int, Recorded] = {}
 
     def due(self, step: int) -> bool:
         """Whether optimizer step ``step`` (1-based) is measured."""
         return self.interval > 0 and step % self.interval == 0
 
     def arm(self) -> None:
-        for indexer in self.indexers.values():
-            indexer.capture_for_drift = True
+        """Hook every indexer to record its first forward until :meth:`measure`."""
+        if self._hooks:
+            raise RuntimeError("drift monitor armed twice without measure()")
+        self._recorded = {}
+        self._hooks = [indexer.register_forward_hook(self._recorder(layer), with_kwargs=True)
+                       for layer, indexer in self.indexers.items()]
+
+    def _recorder(self, layer: int) -> Callable[[DSAIndexer, tuple, dict, IndexerOutput], None]:
+        """The forward hook (``with_kwargs``) of layer ``layer``'s indexer."""
+        def record(indexer: DSAIndexer, args: tuple, kwargs: dict[str, Any], output: IndexerOutput) -> None:
+            if layer not in self._recorded:
+                self._recorded[layer] = Recorded.of_forward(indexer, args, kwargs, output)
+        return record
+
+    def _disarm(self) -> dict[int, Recorded]:
+        """Remove the hooks; returns (and forgets) the step's records."""
+        for handle in self._hooks:
+            handle.remove()
+        recorded, self._hooks, self._recorded = self._recorded, [], {}
+        missing = sorted(set(self.indexers) - set(recorded))
+        if missing:
+            raise RuntimeError(f"no forward of the indexers of layers {missing} was recorded (arm() first)")
+        return recorded
 
     def measure(self) -> dict[int, dict[str, float]]:
         """Per-layer metrics of the armed step, averaged over DP and CP (each CP rank measures its
-        queries) and gathered over PP (every rank gets every layer). Call before the optimizer
-        step."""
-        local = {layer: layer_drift(ix, self.numerics) for layer, ix in sorted(self.indexers.items())}
+        queries) and gathered over PP (every rank gets every layer); removes the hooks. Call
+        before the optimizer step."""
+        recorded = self._disarm()
+        local = {layer: layer_drift(ix, recorded[layer], self.numerics)
+                 for layer, ix in sorted(self.indexers.items())}
         flat = {f"{layer}/{k}": v for layer, metrics in local.items() for k, v in metrics.items()}
         if dist.is_initialized():
             flat = reduce_drift_metrics(flat, ps.get_data_parallel_group(with_context_parallel=True))

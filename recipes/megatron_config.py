@@ -2,7 +2,8 @@
 
 ``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
 derives differently (dtype, the indexer key-norm precision, MoE layer pattern, grouped experts,
-parallel sizes, CPU/GPU kernel switches) are listed explicitly in :func:`to_transformer_config`.
+parallel sizes, CPU/GPU kernel switches, the indexer loss's backward-scale callback) are listed
+explicitly in :func:`to_transformer_config`.
 The ``precision`` group becomes one :class:`~kpool_layers.precision.PrecisionPolicy`, held on the
 config as ``precision``; the dtype fields are derived from it.
 """
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from kpool_layers import dsa_kernels, model_facts
+from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.precision import DType, PrecisionPolicy
 
@@ -97,6 +99,9 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         pipeline_dtype=policy.params_dtype,
         dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
         deterministic_mode=bool(cfg.train.deterministic),
+        # megatron's schedules hand the main loss's backward scale to the indexer loss through it.
+        experimental_attention_variant_loss_scale_func=(
+            IndexerLossAutoScaler.set_loss_scale if copied["dsa_indexer_loss_coeff"] else None),
         # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=False,

@@ -185,14 +185,11 @@ def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def setup_precision(model: torch.nn.Module) -> list[dict[str, Any]]:
     """Apply the policy of a built (dtype-cast) model, ``model.config.precision``: route every
-    routable linear through it, set each :class:`DSAIndexer`'s ``index_quant`` (serving-quantized
-    scoring when ``dsa_indexer_kpool_use_quantization``); returns :func:`precision_rows`. The key
-    LayerNorm precision is the config's ``dsa_indexer_k_norm_fp32`` (recipes.megatron_config)."""
+    routable linear through it; returns :func:`precision_rows`. The indexers' other numerics (key
+    LayerNorm precision, serving-quantized scoring) are fixed at their construction from the
+    config (:func:`kpool_layers.indexer.training_numerics`)."""
     policy: PrecisionPolicy = model.config.precision
     apply_precision(model, policy, _routing_role_of(model))
-    for module in model.modules():
-        if isinstance(module, DSAIndexer):
-            module.index_quant = policy.indexer_numerics.index_quant
     return precision_rows(model, policy, resolve_backend(policy))
 
 

@@ -247,15 +247,14 @@ def test_index_share_skip_layer_reuses_source_indices(single_rank_parallel_state
 def test_indexer_loss_backward_scale_and_logging(single_rank_parallel_state) -> None:
     torch.manual_seed(0)
     cfg = tiny_config(dsa_indexer_loss_coeff=0.5)
-    cfg.experimental_attention_variant_loss_scale_func = None
     model = torch.nn.ModuleDict({"attn": build(cfg)})
-    installed = cfg.experimental_attention_variant_loss_scale_func
-    assert installed == IndexerLossAutoScaler.set_loss_scale
+    # The layer leaves the shared config alone (recipes.megatron_config installs the callback).
+    assert cfg.experimental_attention_variant_loss_scale_func is None
     x = torch.randn(9, 2, 32)
 
     def indexer_grads(scale: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
         model.zero_grad()
-        cfg.experimental_attention_variant_loss_scale_func(torch.tensor(scale))
+        IndexerLossAutoScaler.set_loss_scale(torch.tensor(scale))
         out, _ = model["attn"](x, None)
         out.sum().backward()
         return out.detach(), [p.grad.clone() for p in model["attn"].indexer.parameters()]

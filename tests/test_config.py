@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
+from kpool_layers.attention import IndexerLossAutoScaler
 from recipes.distributed import register_resolvers
 from recipes.megatron_config import to_transformer_config
 from recipes.config_keys import UnknownKeyError, check_overrides
@@ -49,6 +50,15 @@ def test_every_option_composes(group: str, option: str) -> None:
     assert tcfg.num_layers == cfg.model.num_layers
     assert tcfg.q_lora_rank == cfg.model.q_lora_rank
     assert tcfg.dsa_indexer_kpool == cfg.model.dsa_indexer_kpool
+
+
+def test_indexer_loss_scale_callback_is_installed_on_the_config() -> None:
+    """megatron's schedules hand the loss scale to the indexer loss through the config's callback:
+    set once when the config is made, iff the indexer loss is on."""
+    off = to_transformer_config(_compose(["model=glm5_tiny"]))
+    on = to_transformer_config(_compose(["model=glm5_tiny", "model.dsa_indexer_loss_coeff=0.5"]))
+    assert off.experimental_attention_variant_loss_scale_func is None
+    assert on.experimental_attention_variant_loss_scale_func == IndexerLossAutoScaler.set_loss_scale
 
 
 def test_model_fields_map_one_to_one() -> None:

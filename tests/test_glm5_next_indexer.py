@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer  # noqa: E402
 
 from kpool_layers.config import GLMTransformerConfig  # noqa: E402
-from kpool_layers.indexer import DSAIndexer  # noqa: E402
+from kpool_layers.indexer import DSAIndexer, ScoredSelection  # noqa: E402
 from recipes.hf_config import model_config_from_hf  # noqa: E402
 from recipes.hf_mapping import layer_maps  # noqa: E402
 
@@ -96,9 +96,8 @@ def test_selection_matches_transformers(single_rank_parallel_state, kpool: int, 
     q_resid = torch.randn(BATCH, seq, Q_LORA, generator=g)
     with torch.no_grad():
         ref = hf(hidden, q_resid, torch.ones(BATCH, seq, dtype=torch.bool), cache=None).long()
-        ours.capture_for_drift = True
-        got = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1)).topk_indices
-        scored = ours.drift_capture.scored
+        out = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1))
+        got, scored = out.topk_indices, ScoredSelection.of(out, ours.numerics)
         # Packed THD: the two rows as two documents of one row == each row alone, shifted.
         cu = torch.tensor([0, seq, 2 * seq], dtype=torch.int32)
         packed = ours(hidden.reshape(1, -1, HIDDEN).transpose(0, 1), q_resid.reshape(1, -1, Q_LORA).transpose(0, 1),

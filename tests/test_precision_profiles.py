@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import dataclasses
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
 from kpool_layers import fp8
-from kpool_layers.indexer import DSAIndexer, IndexerNumerics
+from kpool_layers.indexer import (DSAIndexer, IndexerNumerics, PlainProjections, RoutedProjections,
+                                  ScoredSelection)
 from kpool_layers.precision import _ROUTED, PrecisionPolicy
 from kpool_layers.topk import topk_lower_index_ties
 from recipes.distributed import register_resolvers
@@ -77,8 +80,10 @@ def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, pro
             assert row["note"] == KV_UP_NOTE and not row["quantized"]
     indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
     assert len(indexers) == 4
-    assert all(ix.index_quant == ("ue8m0" if profile == "serving_match" else None) for ix in indexers)
-    assert all(ix.config.dsa_indexer_k_norm_fp32 == (profile == "serving_match") for ix in indexers)
+    serving = profile == "serving_match"
+    assert all(ix.numerics == IndexerNumerics(RoutedProjections(), k_norm_fp32=serving,
+                                              index_quant="ue8m0" if serving else None)
+               for ix in indexers)
 
 
 def test_quantized_linear_computes_emulated_fp8(single_rank_parallel_state):
@@ -94,10 +99,10 @@ def test_quantized_linear_computes_emulated_fp8(single_rank_parallel_state):
 
 def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_state):
     torch.manual_seed(0)
-    cfg = tiny_config(dsa_indexer_head_dim=32, dsa_indexer_n_heads=4, dsa_indexer_topk=6)
+    plain_cfg = tiny_config(dsa_indexer_head_dim=32, dsa_indexer_n_heads=4, dsa_indexer_topk=6)
+    cfg = dataclasses.replace(plain_cfg, precision=PrecisionPolicy(dsa_indexer_kpool_use_quantization=True))
     indexer = DSAIndexer(cfg, layer_number=1)
-    indexer.index_quant = "ue8m0"
-    indexer.capture_for_drift = True
+    assert indexer.numerics.index_quant == "ue8m0"  # from config.precision at construction
     s = 20
     hidden, q_latent = torch.randn(s, 1, 16), torch.randn(s, 1, 8)
     out = indexer(hidden, q_latent)
@@ -108,16 +113,17 @@ def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_
     expected = fp8.serving_index_scores(q, k, w)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     expected = expected.masked_fill(~causal, float("-inf"))
-    got = indexer.drift_capture.scored.scores(0, relu=True, chunk_size=7)
+    got = ScoredSelection.of(out, indexer.numerics).scores(0, relu=True, chunk_size=7)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     ref_idx = topk_lower_index_ties(expected, 6)
     ref_idx = torch.where(torch.arange(6) < (torch.arange(s) + 1)[:, None], ref_idx, -1)
     assert torch.equal(out.topk_indices[0], ref_idx)
-    assert indexer.capture_for_drift is False  # one forward only
     # Without index_quant the scores are the unquantized (rotated) ones: quantization is no no-op.
-    indexer.index_quant, indexer.capture_for_drift = None, True
-    indexer(hidden, q_latent)
-    plain = indexer.drift_capture.scored.scores(0, relu=True, chunk_size=7)
+    plain_indexer = DSAIndexer(plain_cfg, layer_number=1)
+    plain_indexer.load_state_dict(indexer.state_dict())
+    assert plain_indexer.numerics.index_quant is None
+    plain = ScoredSelection.of(plain_indexer(hidden, q_latent), plain_indexer.numerics).scores(
+        0, relu=True, chunk_size=7)
     assert not torch.equal(plain, got)
     torch.testing.assert_close(plain, got, rtol=0.2, atol=0.2)
 
@@ -137,17 +143,39 @@ def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
     for metrics in exact.values():
         assert metrics["topk_overlap"] == 1.0 and metrics["topk_exact_rows"] == 1.0
         assert metrics["topk_jaccard"] == 1.0 and metrics["score_rel_err"] == 0.0
-    # Same weights and tokens under bf16 (re-routed; the key norm back to the model dtype as
-    # to_transformer_config sets it for bf16): the serving reference's FP8 rounding flips selections.
-    bf16 = _compose(["model=glm5_tiny", "precision=bf16"])
-    model.config.precision = PrecisionPolicy.from_config(bf16.precision)  # the config all layers share
-    model.config.dsa_indexer_k_norm_fp32 = False
-    setup_precision(model)
-    drifted = _drift(model, bf16)
+    # Same weights and tokens under bf16 (the indexers' numerics are fixed at construction: a bf16
+    # build loaded with these weights): the serving reference's FP8 rounding flips selections.
+    bf16, bf16_model = _build(["precision=bf16"])
+    bf16_model.load_state_dict(model.state_dict())
+    setup_precision(bf16_model)
+    drifted = _drift(bf16_model, bf16)
     overlaps = [m["topk_overlap"] for m in drifted.values()]
     assert all(0.5 < o < 1.0 for o in overlaps), overlaps
     assert all(0.0 < m["score_rel_err"] < 0.5 for m in drifted.values())
     assert all(m["topk_mismatch_frac"] <= 1.0 - m["topk_exact_rows"] for m in drifted.values())
+
+
+def test_drift_hooks_record_the_first_forward_and_leave_nothing(single_rank_parallel_state):
+    """arm() hooks every indexer, the first forward of the step is measured, measure() removes the
+    hooks; no attribute is left on the indexers."""
+    cfg, model = _build(["precision=bf16"])
+    setup_precision(model)
+    monitor = DriftMonitor(cfg.precision.drift, model, cfg.model.num_layers)
+    indexers = list(monitor.indexers.values())
+    attributes = [dict(vars(ix)) for ix in indexers]
+    monitor.arm()
+    assert all(len(ix._forward_hooks) == 1 for ix in indexers)
+    _forward(model, seed=0)
+    _forward(model, seed=1)  # a second micro batch: not measured
+    first = monitor.measure()
+    assert all(not ix._forward_hooks for ix in indexers)
+    assert [dict(vars(ix)) for ix in indexers] == attributes
+    monitor.arm()
+    _forward(model, seed=0)
+    assert monitor.measure() == first
+    _forward(model, seed=0)  # not armed: nothing recorded
+    with pytest.raises(RuntimeError, match="no forward of the indexers of layers"):
+        monitor.measure()
 
 
 def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
@@ -213,9 +241,12 @@ def test_drift_references_are_the_profiles_numerics():
     """``serving`` = the ``serving_match`` profile's indexer numerics, in the run's scale format."""
     bf16, fp32 = torch.bfloat16, torch.float32
     run = PrecisionPolicy(scale_format="amax")
-    assert reference_numerics("serving", run) == IndexerNumerics(bf16, fp32, k_norm_fp32=True, index_quant="amax")
+    assert reference_numerics("serving", run) == IndexerNumerics(PlainProjections(bf16, fp32), k_norm_fp32=True,
+                                                                 index_quant="amax")
     assert reference_numerics("serving", PrecisionPolicy()).index_quant == "ue8m0"
-    assert reference_numerics("bf16", run) == IndexerNumerics(bf16, bf16, k_norm_fp32=False, index_quant=None)
-    assert reference_numerics("fp32", run) == IndexerNumerics(fp32, fp32, k_norm_fp32=True, index_quant=None)
+    assert reference_numerics("bf16", run) == IndexerNumerics(PlainProjections(bf16, bf16), k_norm_fp32=False,
+                                                              index_quant=None)
+    assert reference_numerics("fp32", run) == IndexerNumerics(PlainProjections(fp32, fp32), k_norm_fp32=True,
+                                                              index_quant=None)
     assert profile_policy("serving_match").indexer_numerics == IndexerNumerics(
-        bf16, fp32, k_norm_fp32=True, index_quant="ue8m0")
+        PlainProjections(bf16, fp32), k_norm_fp32=True, index_quant="ue8m0")

@@ -19,7 +19,11 @@ split across ranks), a relative change of ~1e-7 per step on a loss of ~6."""
 
 
 def _losses(run_dir: Path) -> list[float]:
-    return [row["loss"] for row in metrics(run_dir)]
+    return [row["loss"] for row in metrics(run_dir) if "loss" in row]  # drift rows are separate
+
+
+def _drift_overlaps(run_dir: Path) -> list[float]:
+    return [row["dsa/topk_overlap"] for row in metrics(run_dir) if "dsa/topk_overlap" in row]
 
 
 @pytest.mark.dist
@@ -38,6 +42,11 @@ def test_cp2_trains_the_losses_of_cp1(tmp_path: Path, variant: list[str]) -> Non
     assert cp2 == pytest.approx(cp1, abs=LOSS_TOL, rel=0), (cp1, cp2)
     assert len(set(cp1)) == 3, cp1  # the steps train (a frozen model would pass trivially)
     if variant:
+        # The drift recompute gathers the keys over CP like the forward: each rank's mean overlap
+        # over its queries, averaged over the ranks, is the CP = 1 overlap (equal query counts).
+        drift1, drift2 = (_drift_overlaps(tmp_path / run) for run in ("cp1", "cp2"))
+        assert len(drift1) == 3 and all(o < 1.0 for o in drift1), drift1
+        assert drift2 == pytest.approx(drift1, abs=1e-6, rel=0), (drift1, drift2)
         return  # the resume below is layout-only: once is enough
     # The step-2 checkpoint of the CP = 2 run resumes at CP = 1 (parameters and the distributed
     # optimizer's state are resharded by megatron's dist checkpointing) and trains step 3.
