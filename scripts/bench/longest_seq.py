@@ -14,12 +14,15 @@ tables only; the proxy's default is 32768). Per length the JSON holds the status
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = ["experiment=glm5_proxy_h200", "train.steps=2", "train.global_batch_size=1",
@@ -41,7 +44,8 @@ def run_length(seq: int, overrides: list[str], timeout: int, root: Path) -> dict
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         status = "oom" if any(m in out for m in OOM_MARKERS) else "failed"
-        return {"seq_length": seq, "status": status, "tail": out[-1500:]}
+        errors = [line for line in out.splitlines() if "Error" in line] or out.splitlines()[-1:]
+        return {"seq_length": seq, "status": status, "error": errors[-1][:300]}
     rows = [json.loads(x) for x in (root / run_id / "metrics.jsonl").read_text().splitlines() if x]
     last = [r for r in rows if "step_time_s" in r][-1]
     return {"seq_length": seq, "status": "trained", "steps": last["step"],
@@ -61,12 +65,13 @@ def main() -> None:
         for seq in sorted(args.seqs):
             result = run_length(seq, overrides, args.timeout, Path(tmp))
             results.append(result)
-            print(json.dumps({k: v for k, v in result.items() if k != "tail"}), flush=True)
+            print(json.dumps(result), flush=True)
             if result["status"] != "trained":
-                print(result.get("tail", ""), flush=True)
                 break
     trained = [r["seq_length"] for r in results if r["status"] == "trained"]
     summary = {"command": " ".join(["python scripts/bench/longest_seq.py", *sys.argv[1:]]),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "date": datetime.date.today().isoformat(),
                "overrides": DEFAULTS + overrides, "longest_trained": max(trained, default=None),
                "runs": results}
     print(f"longest sequence trained: {summary['longest_trained']}")
