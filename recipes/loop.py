@@ -9,7 +9,6 @@ checkpoints into ``run_dir`` (rank 0 writes the files; every rank takes part in 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -43,10 +42,11 @@ from recipes.megatron_config import to_transformer_config
 from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
                              reset_peak_memory)
 from recipes.model import build_gpt_model
-from recipes.nonfinite import NonFiniteGuard, json_safe
+from recipes.nonfinite import NonFiniteGuard
 from recipes.precision_setup import kernel_rows, report_precision, setup_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
+from recipes.run_result import RunResult
 from recipes.schema import validate
 
 
@@ -62,15 +62,10 @@ class Trainer:
     precision_map: list[dict[str, Any]]
 
 
-def write_result(run_dir: Path, **fields: Any) -> None:
-    """``result.json`` (rank 0 only), read by the sweep summary and the SLURM tests; always valid
-    JSON (a non-finite loss is ``null``)."""
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "result.json.tmp"
-    tmp.write_text(json.dumps(json_safe(fields), indent=1, allow_nan=False))
-    tmp.replace(run_dir / "result.json")
+def _record(run_dir: Path, result: RunResult) -> None:
+    """``result.json`` from rank 0 (:class:`recipes.run_result.RunResult`)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        result.write(run_dir)
 
 
 def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
@@ -91,8 +86,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
             preflight(cfg, resume_lib.checkpoint_root(cfg, run_dir))
     except ValueError as err:
         if topo.rank == 0:
-            write_result(run_dir, status="failed", error=str(err), overrides=overrides or [],
-                         final_loss=None, steps=0)
+            RunResult.failed(str(err), overrides or []).write(run_dir)
         raise
     distributed.init_process_group(topo)
     try:
@@ -103,8 +97,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
     except (Requeued, Preempted):
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
-        write_result(run_dir, status="failed", error=f"{type(err).__name__}: {err}",
-                     overrides=overrides or [], final_loss=None, steps=0)
+        _record(run_dir, RunResult.failed(err, overrides or []))
         raise
     finally:
         distributed.shutdown()
@@ -313,8 +306,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     finally:
         guard.close()
         logger.close()
-    write_result(run_dir, status=status, error=None, overrides=overrides, final_loss=loss,
-                 steps=progress.step)
+    _record(run_dir, RunResult(status, None, overrides, loss, progress.step))
     _print0(f"{status}: {progress.step} steps, {progress.consumed_samples * cfg.data.seq_length:,} "
             f"tokens, {duration(time.perf_counter() - train_start)}, final loss {loss:.4f}, "
             f"run dir {run_dir}")

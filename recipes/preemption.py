@@ -16,7 +16,7 @@ the checkpoint up::
             save_checkpoint()
             requeued = guard.requeue()
             break
-    write_result(...)
+    RunResult(...).write(run_dir)   # rank 0
     if requeued:
         raise Requeued()   # not a normal return: see :class:`Requeued`
     raise Preempted("preempted ..., resume with ...")   # outside SLURM: exit status 1

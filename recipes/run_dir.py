@@ -11,7 +11,6 @@ change the choice of the other ranks.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -19,6 +18,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from recipes.distributed import launch_start, run_id
+from recipes.run_result import RunResult
 
 IGNORED = ("train.resume",)
 """Override keys that do not make a command different."""
@@ -34,10 +34,8 @@ def _command(overrides: list[str]) -> list[str]:
 
 
 def _completed(run: Path) -> bool:
-    try:
-        return json.loads((run / "result.json").read_text()).get("status") == "completed"
-    except (OSError, ValueError):
-        return False
+    result = RunResult.read(run)
+    return result is not None and result.status == "completed"
 
 
 def find_unfinished(root: Path, overrides: list[str], before: float) -> Optional[Path]:

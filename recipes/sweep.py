@@ -41,10 +41,11 @@ from hydra.types import RunMode
 from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
+from recipes.run_result import RESULT_FILE, RunResult
+
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
-RESULT_FILE = "result.json"
 CSV_COLUMNS = (
     "job", "label", "status", "steps", "final_loss", "min_loss", "tokens_per_s", "step_time_s",
     "peak_mem_gib", "error", "overrides",
@@ -81,13 +82,6 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
 def _hydra_overrides(job_dir: Path) -> list[str]:
     path = job_dir / ".hydra" / "overrides.yaml"
     return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
@@ -96,22 +90,15 @@ def _hydra_overrides(job_dir: Path) -> list[str]:
 def load_job(job_dir: Path) -> Job:
     """The status, error, overrides and metrics of one job dir."""
     metrics = read_metrics(job_dir / METRICS_FILE)
-    result = _read_json(job_dir / RESULT_FILE)
+    result = RunResult.read(job_dir)
     last_loss = metrics[-1].get("loss") if metrics else None
     last_step = int(metrics[-1]["step"]) if metrics else 0
     if result is None:
         return Job(job_dir, _hydra_overrides(job_dir), "missing",
                    f"no {RESULT_FILE} (still running, or killed before it ended)",
                    last_step, last_loss, metrics)
-    return Job(
-        job_dir,
-        [str(o) for o in result.get("overrides") or _hydra_overrides(job_dir)],
-        str(result.get("status", "failed")),
-        result.get("error"),
-        int(result.get("steps") or last_step),
-        result.get("final_loss", last_loss),
-        metrics,
-    )
+    return Job(job_dir, [str(o) for o in result.overrides or _hydra_overrides(job_dir)],
+               result.status, result.error, result.steps or last_step, result.final_loss, metrics)
 
 
 def find_job_dirs(sweep_dir: Path) -> list[Path]:
@@ -253,21 +240,16 @@ def record_job_result(output_dir: Path, job_return: JobReturn) -> None:
     """Completes ``result.json`` from Hydra's job return: a failed job (the task raised) gets
     ``status: failed`` with the exception; a completed job that wrote none gets one from its
     metrics. A ``result.json`` the job wrote itself is kept unless Hydra saw it fail."""
-    path = output_dir / RESULT_FILE
-    existing = _read_json(path)
+    existing = RunResult.read(output_dir)
     failed = job_return.status == JobStatus.FAILED
-    if existing is not None and (not failed or existing.get("status") == "failed"):
+    if existing is not None and (not failed or existing.status == "failed"):
         return
     metrics = read_metrics(output_dir / METRICS_FILE)
     error = job_return._return_value if failed else None  # return_value re-raises on failure
-    result = {
-        "status": "failed" if failed else "completed",
-        "error": f"{type(error).__name__}: {error}" if failed else None,
-        "overrides": list(job_return.overrides or []),
-        "final_loss": metrics[-1].get("loss") if metrics else None,
-        "steps": int(metrics[-1]["step"]) if metrics else 0,
-    }
-    _atomic_write(path, lambda p: p.write_text(json.dumps(result, indent=2) + "\n"))
+    RunResult("failed" if failed else "completed",
+              f"{type(error).__name__}: {error}" if failed else None,
+              list(job_return.overrides or []), metrics[-1].get("loss") if metrics else None,
+              int(metrics[-1]["step"]) if metrics else 0).write(output_dir)
 
 
 def _announce(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:

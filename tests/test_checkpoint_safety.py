@@ -273,10 +273,12 @@ def test_nonfinite_skip_skips_updates_then_stops(train: Train, tmp_path: Path) -
 
 
 def test_result_json_writes_null_for_nan(tmp_path: Path) -> None:
-    from recipes.loop import write_result
+    from recipes.run_result import RunResult
 
-    write_result(tmp_path, status="completed", final_loss=float("nan"), steps=1)
+    RunResult("completed", None, ["train.steps=1"], float("nan"), 1).write(tmp_path)
     assert json.loads((tmp_path / "result.json").read_text())["final_loss"] is None
+    assert RunResult.read(tmp_path) == RunResult("completed", None, ["train.steps=1"], None, 1)
+    assert RunResult.read(tmp_path / "missing") is None
 
 
 # 7. Preflight before the model is built.
