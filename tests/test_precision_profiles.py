@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kpool_layers import fp8
+from kpool_layers.attention import KV_UP_NOTE
 from kpool_layers.indexer import DSAIndexer, IndexerNumerics
 from kpool_layers.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
 from kpool_layers.precision import PrecisionPolicy
@@ -20,7 +21,7 @@ from recipes.distributed import register_resolvers
 from recipes.drift_logging import DriftMonitor, reference_numerics
 from recipes.megatron_config import to_transformer_config
 from recipes.model import build_gpt_model
-from recipes.precision_setup import KV_UP_NOTE, PROFILES_DIR, precision_map, profile_policy
+from recipes.precision_setup import PROFILES_DIR, precision_map, profile_policy
 from recipes.schema import ConfigError, register_configs, validate
 from tests.test_indexer import tiny_config
 
