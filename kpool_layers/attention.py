@@ -80,7 +80,7 @@ from kpool_layers.core_attention import CORE_ATTENTION
 from kpool_layers.dsa_kernels import range_topk_kernel
 from kpool_layers.indexer import DSAIndexer, dsa_indexer_submodules
 from kpool_layers.indexer_loss import indexer_kl_loss
-from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_spec
+from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, computed_by_owner, role_spec
 from kpool_layers.norm import SPNorm
 from kpool_layers.precision import Role
 from kpool_layers.rope import Rotary, RotaryFn, document_positions, yarn_get_mscale
@@ -254,8 +254,7 @@ class GLMSparseMLA(MegatronModule):
                                         n * (config.qk_head_dim + config.v_head_dim), "kv_up_proj",
                                         gather_output=False)
         # Absorbed: the weight is used directly (_kv_up_weights), the linear's forward never runs.
-        kv_up = self.linear_kv_up_proj
-        kv_up.numerics = kv_up.numerics.computed_by_owner(KV_UP_NOTE)
+        computed_by_owner(self.linear_kv_up_proj, KV_UP_NOTE)
         self.linear_proj = build_module(
             submodules.linear_proj, n * config.v_head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,

@@ -52,7 +52,7 @@ from kpool_layers.context_parallel import gather_sequence, query_positions
 from kpool_layers.dsa_kernels import RangeTopK, range_topk_kernel
 from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
-from kpool_layers.linears import RoleDuplicatedLinear, role_spec
+from kpool_layers.linears import RoleDuplicatedLinear, computed_by_owner, role_spec
 from kpool_layers.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
 from kpool_layers.precision import Role
 from kpool_layers.topk import index_scores, score_dtype
@@ -216,8 +216,7 @@ class DSAIndexer(MegatronModule):
         self.linear_weights_proj = linear(sub.linear_weights_proj, config.hidden_size, self.n_heads)
         if self.kpool > 1:
             # The KPool contract computes the head weights in FP32 inside the indexer (_index).
-            proj = self.linear_weights_proj
-            proj.numerics = proj.numerics.computed_by_owner(KPOOL_WEIGHTS_NOTE, torch.float32)
+            computed_by_owner(self.linear_weights_proj, KPOOL_WEIGHTS_NOTE, torch.float32)
             self.index_kpool_compress_gate = linear(sub.index_kpool_compress_gate, config.hidden_size,
                                                     self.head_dim, zeros=True)
             self.index_kpool_compress_ape = torch.nn.Parameter(

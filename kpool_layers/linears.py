@@ -29,6 +29,8 @@ parameter dtype when the linear is built; the precision map is read from the mod
   indexer's projections), same role logic on ``nn.Linear``'s ``forward``.
 * :class:`RoleTopKRouter` - megatron's ``TopKRouter`` tagged ``moe.router`` (it computes its
   gating GEMM in FP32 itself with ``moe_router_dtype='fp32'``, which the build checks).
+* :func:`computed_by_owner` - marks a linear whose forward never runs (the owner uses its weight:
+  the absorbed MLA ``kv_up``, the KPool indexer's head weights); the map shows why.
 * :func:`assign_gpt_roles` - ``GPTModel`` builds its word embedding and output layer itself, from
   no spec: they are tagged by position (``model.embedding.word_embeddings``,
   ``model.output_layer``). Their roles never change megatron's computation (checked).
@@ -81,7 +83,7 @@ class RoleColumnParallelLinear(ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         own = self.weight if weight is None else weight
-        if not self.numerics.replaces_gemm(own.dtype):
+        if own is None or not self.numerics.replaces_gemm(own.dtype):
             return super().forward(input_, weight, runtime_gather_output)
         if self.sequence_parallel and not self.explicit_expert_comm:
             input_ = gather_from_sequence_parallel_region(input_, tensor_parallel_output_grad=True,
@@ -152,6 +154,14 @@ class RoleTopKRouter(TopKRouter):
         if self.numerics.replaces_gemm(self.config.params_dtype) and self.config.moe_router_dtype != "fp32":
             raise ValueError(f"the moe.router role computes in {self.numerics.dtype(self.config.params_dtype)}; "
                              "set moe_router_dtype='fp32' (megatron computes the gating GEMM)")
+
+
+def computed_by_owner(linear: torch.nn.Module, note: str, dtype: Optional[torch.dtype] = None) -> None:
+    """Mark a role-tagged ``linear`` whose forward never runs: its owner computes with the weight
+    in ``dtype`` (None: the weight's); the precision map shows ``note``. A linear without a role
+    (another spec's class) is left alone."""
+    if isinstance(getattr(linear, "numerics", None), LinearNumerics):
+        linear.numerics = linear.numerics.computed_by_owner(note, dtype)
 
 
 def role_spec(module: type, role: Role) -> ModuleSpec:

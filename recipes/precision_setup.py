@@ -14,11 +14,13 @@ role-tagged class that holds its role's numerics (``kpool_layers.linears``). Her
 Two roles are not computed by their linear's forward, and the map says so in ``note`` (the owning
 module marks them at its build):
 
-* ``mla.kv_up`` (``kpool_layers.attention.KV_UP_NOTE``): the absorbed MLA uses ``linear_kv_up_proj.weight`` directly (split per head into
-  ``W_uk`` / ``W_uv`` for batched matmuls, ``kpool_layers.attention``); its forward never runs,
-  so it always computes in the model dtype, never FP8, whatever the policy says.
-* ``indexer.weights`` with ``kpool > 1`` (``kpool_layers.indexer.KPOOL_WEIGHTS_NOTE``): the KPool contract computes the head weights with an
-  FP32 GEMM inside the indexer (docs/kpool.md), so it is FP32 whatever the policy says.
+* ``mla.kv_up`` (``kpool_layers.attention.KV_UP_NOTE``): the absorbed MLA uses
+  ``linear_kv_up_proj.weight`` directly (split per head into ``W_uk`` / ``W_uv`` for batched
+  matmuls); its forward never runs, so it always computes in the model dtype, never FP8, whatever
+  the policy says.
+* ``indexer.weights`` with ``kpool > 1`` (``kpool_layers.indexer.KPOOL_WEIGHTS_NOTE``): the KPool
+  contract computes the head weights with an FP32 GEMM inside the indexer (docs/kpool.md), so it
+  is FP32 whatever the policy says.
 """
 
 from __future__ import annotations
