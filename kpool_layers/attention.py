@@ -63,7 +63,6 @@ from typing import Any, Optional
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -79,10 +78,16 @@ from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.context_parallel import cp_size, gather_sequence, query_positions
 from kpool_layers.core_attention import CORE_ATTENTION
 from kpool_layers.dsa_kernels import range_topk_kernel
-from kpool_layers.indexer import DSAIndexer
+from kpool_layers.indexer import DSAIndexer, dsa_indexer_submodules
 from kpool_layers.indexer_loss import indexer_kl_loss
+from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, computed_by_owner, role_spec
 from kpool_layers.norm import SPNorm
+from kpool_layers.precision import Role
 from kpool_layers.rope import Rotary, RotaryFn, document_positions, yarn_get_mscale
+
+
+KV_UP_NOTE = "absorbed: weight used directly (W_uk/W_uv batched matmuls) in the model dtype, never FP8"
+"""Precision-map note of ``mla.kv_up``: its forward never runs."""
 
 
 def mla_softmax_scale(config: GLMTransformerConfig) -> float:
@@ -249,6 +254,8 @@ class GLMSparseMLA(MegatronModule):
         self.linear_kv_up_proj = linear(submodules.linear_kv_up_proj, config.kv_lora_rank,
                                         n * (config.qk_head_dim + config.v_head_dim), "kv_up_proj",
                                         gather_output=False)
+        # Absorbed: the weight is used directly (_kv_up_weights), the linear's forward never runs.
+        computed_by_owner(self.linear_kv_up_proj, KV_UP_NOTE)
         self.linear_proj = build_module(
             submodules.linear_proj, n * config.v_head_dim, config.hidden_size, config=config,
             init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
@@ -452,8 +459,9 @@ def _check_config(config: GLMTransformerConfig, attn_mask_type: AttnMaskType) ->
 
 def glm_attention_spec(config: GLMTransformerConfig,
                        topk_share: Optional[TopKShare] = None) -> ModuleSpec:
-    """``self_attention`` spec for the local backend (megatron's parallel linears, SP norms), with
-    the sparse MLA core attention and the indexer's top-k kernel of ``config.dsa_kernels``.
+    """``self_attention`` spec for the local backend (megatron's parallel linears tagged with their
+    precision roles, :mod:`kpool_layers.linears`; SP norms), with the sparse MLA core attention,
+    the indexer's role-tagged parts and its top-k kernel of ``config.dsa_kernels``.
 
     All layers built from the returned spec share one :class:`TopKShare` (a new one unless given),
     which is what IndexShare needs; build MTP layers from a separate call.
@@ -463,15 +471,15 @@ def glm_attention_spec(config: GLMTransformerConfig,
         module=GLMSparseMLA,
         params={"topk_share": topk_share or TopKShare(), "attn_mask_type": AttnMaskType.causal},
         submodules=GLMSparseMLASubmodules(
-            linear_q_down_proj=ColumnParallelLinear,
-            linear_q_up_proj=ColumnParallelLinear,
-            linear_kv_down_proj=ColumnParallelLinear,
-            linear_kv_up_proj=ColumnParallelLinear,
-            linear_proj=RowParallelLinear,
+            linear_q_down_proj=role_spec(RoleColumnParallelLinear, Role.MLA_Q_DOWN),
+            linear_q_up_proj=role_spec(RoleColumnParallelLinear, Role.MLA_Q_UP),
+            linear_kv_down_proj=role_spec(RoleColumnParallelLinear, Role.MLA_KV_DOWN),
+            linear_kv_up_proj=role_spec(RoleColumnParallelLinear, Role.MLA_KV_UP),
+            linear_proj=role_spec(RoleRowParallelLinear, Role.MLA_OUT),
             q_layernorm=SPNorm,
             kv_layernorm=SPNorm,
             indexer=ModuleSpec(module=DSAIndexer, params={"range_topk": range_topk_kernel(
-                backend, config.dsa_indexer_query_chunk_size)}),
+                backend, config.dsa_indexer_query_chunk_size)}, submodules=dsa_indexer_submodules()),
             core_attention=CORE_ATTENTION[backend],
         ),
     )

@@ -44,8 +44,9 @@ class GLMTransformerConfig(MLATransformerConfig):
     1e-5 elsewhere)."""
 
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
-    """The run's precision policy (the ``precision`` group): how the linears are routed, the
-    indexer's serving-quantized scoring, drift's reference and the precision map.
+    """The run's precision policy (the ``precision`` group): the numerics the role-tagged linears
+    are built with (``kpool_layers.linears``), the indexer's serving-quantized scoring, drift's
+    reference and the precision map.
     ``recipes.megatron_config`` derives ``bf16``, ``params_dtype`` and ``dsa_indexer_k_norm_fp32``
     from it."""
 

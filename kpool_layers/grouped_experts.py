@@ -39,6 +39,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
+from kpool_layers.precision import Role
+
 _GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 """``grouped_mm(a [T, K], b [E, K, N], offs=int32 [E]) -> [T, N]`` (public name from torch 2.10)."""
 
@@ -213,6 +215,13 @@ def _check_supported(config: TransformerConfig) -> None:
         "bias_activation_fusion": config.bias_activation_fusion,
         "fp8 (Transformer Engine)": bool(config.fp8),
     }
+    policy = getattr(config, "precision", None)  # the run's PrecisionPolicy (GLMTransformerConfig)
+    if policy is not None and (policy.quantized(Role.MOE_EXPERT_FC1) or policy.quantized(Role.MOE_EXPERT_FC2)):
+        raise ValueError(
+            "precision.fp8=true quantizes the routed experts (moe.expert_fc1/fc2), which grouped experts "
+            "(model.moe_grouped_gemm=true) do not support; set model.moe_grouped_gemm=false or leave it "
+            "null (auto picks per-expert linears with FP8)"
+        )
     used = sorted(k for k, v in unsupported.items() if v)
     if used:
         raise ValueError(

@@ -13,8 +13,10 @@ causal (and per document for packed THD). ``key[j]`` is the token key (plain DSA
 key of :mod:`kpool_layers.kpool` (``kpool > 1``). Inputs are detached: the indexer learns only
 through :func:`kpool_layers.indexer_loss.indexer_kl_loss`.
 
-All projections are plain linears duplicated on every TP rank (the indexer sees the full,
-SP-gathered sequence); their parameters carry megatron's ``average_gradients_across_tp_domain``
+All projections are linears duplicated on every TP rank (the indexer sees the full, SP-gathered
+sequence), built from :class:`DSAIndexerSubmodules` (by default role-tagged
+:class:`kpool_layers.linears.RoleDuplicatedLinear`, which compute as the policy says for their
+role); their parameters carry megatron's ``average_gradients_across_tp_domain``
 so ``finalize_model_grads`` averages their gradients over TP.
 
 Context parallelism (:mod:`kpool_layers.context_parallel`): the indexer gets this CP rank's rows
@@ -44,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
@@ -51,7 +54,9 @@ from kpool_layers.context_parallel import gather_sequence, query_positions
 from kpool_layers.dsa_kernels import RangeTopK, range_topk_kernel
 from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
+from kpool_layers.linears import RoleDuplicatedLinear, computed_by_owner, role_spec
 from kpool_layers.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
+from kpool_layers.precision import Role
 from kpool_layers.topk import index_scores, score_dtype
 
 
@@ -186,19 +191,36 @@ class ScoredSelection:
 # --- end precision ------------------------------------------------------------------------------
 
 
-def _duplicated_linear(
-    config: GLMTransformerConfig, n_in: int, n_out: int, init: bool
-) -> torch.nn.Linear:
-    """Bias-free linear replicated on every TP rank, initialised with ``config.init_method`` from
-    the default generator (seeded identically on all TP ranks), or zeros when ``init`` is False."""
-    device = torch.device("cpu") if config.use_cpu_initialization else torch.cuda.current_device()
-    linear = torch.nn.Linear(n_in, n_out, bias=False, device=device, dtype=config.params_dtype)
-    with torch.no_grad():
-        if not init:
-            linear.weight.zero_()
-        elif config.perform_initialization:
-            config.init_method(linear.weight)
-    return linear
+KPOOL_WEIGHTS_NOTE = "KPool contract: FP32 GEMM inside the indexer"
+"""Precision-map note of ``indexer.weights`` with ``kpool > 1`` (its forward never runs)."""
+
+
+@dataclass
+class DSAIndexerSubmodules:
+    """Builders of :class:`DSAIndexer`'s parts (ModuleSpec or class each), as megatron's
+    ``DSAIndexerSubmodules`` plus the KPool gate. Linears: ``(input_size, output_size, *, config,
+    init_method, bias)`` with ``nn.Linear``'s ``forward(x) -> y`` and a ``weight`` the indexer also
+    reads (recomputation, the KPool head weights), replicated on every TP rank; ``init_method=None``
+    asks for zeros (the KPool gate). ``k_norm``: ``(normalized_shape, *, eps, device, dtype)`` with
+    ``nn.LayerNorm``'s attributes."""
+
+    linear_wq_b: ModuleSpec | type
+    linear_wk: ModuleSpec | type
+    k_norm: ModuleSpec | type
+    linear_weights_proj: ModuleSpec | type
+    index_kpool_compress_gate: ModuleSpec | type
+
+
+def dsa_indexer_submodules() -> DSAIndexerSubmodules:
+    """The indexer's parts: role-tagged duplicated linears (``indexer.q``, ``indexer.k``,
+    ``indexer.weights``, ``indexer.kpool_gate``) and torch's LayerNorm."""
+    return DSAIndexerSubmodules(
+        linear_wq_b=role_spec(RoleDuplicatedLinear, Role.INDEXER_Q),
+        linear_wk=role_spec(RoleDuplicatedLinear, Role.INDEXER_K),
+        k_norm=torch.nn.LayerNorm,
+        linear_weights_proj=role_spec(RoleDuplicatedLinear, Role.INDEXER_WEIGHTS),
+        index_kpool_compress_gate=role_spec(RoleDuplicatedLinear, Role.INDEXER_KPOOL_GATE),
+    )
 
 
 class DSAIndexer(MegatronModule):
@@ -215,7 +237,8 @@ class DSAIndexer(MegatronModule):
     """
 
     def __init__(self, config: GLMTransformerConfig, layer_number: int,
-                 range_topk: Optional[RangeTopK] = None) -> None:
+                 range_topk: Optional[RangeTopK] = None,
+                 submodules: Optional[DSAIndexerSubmodules] = None) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
         self.range_topk = range_topk or range_topk_kernel(config.dsa_kernels,
@@ -225,23 +248,29 @@ class DSAIndexer(MegatronModule):
         self.head_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
         self.kpool = config.dsa_indexer_kpool
+        sub = submodules or dsa_indexer_submodules()
         q_in = config.q_lora_rank if config.q_lora_rank is not None else config.hidden_size
-        self.linear_wq_b = _duplicated_linear(config, q_in, self.n_heads * self.head_dim, init=True)
-        self.linear_wk = _duplicated_linear(config, config.hidden_size, self.head_dim, init=True)
+
+        def linear(spec: ModuleSpec | type, n_in: int, n_out: int, zeros: bool = False) -> torch.nn.Module:
+            return build_module(spec, n_in, n_out, config=config, bias=False,
+                                init_method=None if zeros else config.init_method)
+
+        self.linear_wq_b = linear(sub.linear_wq_b, q_in, self.n_heads * self.head_dim)
+        self.linear_wk = linear(sub.linear_wk, config.hidden_size, self.head_dim)
         eps = config.dsa_indexer_k_norm_epsilon
-        self.k_norm = torch.nn.LayerNorm(
+        self.k_norm = build_module(
+            sub.k_norm,
             self.head_dim,
             eps=config.layernorm_epsilon if eps is None else eps,
             device=self.linear_wk.weight.device,
             dtype=config.params_dtype,
         )
-        self.linear_weights_proj = _duplicated_linear(
-            config, config.hidden_size, self.n_heads, init=True
-        )
+        self.linear_weights_proj = linear(sub.linear_weights_proj, config.hidden_size, self.n_heads)
         if self.kpool > 1:
-            self.index_kpool_compress_gate = _duplicated_linear(
-                config, config.hidden_size, self.head_dim, init=False
-            )
+            # The KPool contract computes the head weights in FP32 inside the indexer (_index).
+            computed_by_owner(self.linear_weights_proj, KPOOL_WEIGHTS_NOTE, torch.float32)
+            self.index_kpool_compress_gate = linear(sub.index_kpool_compress_gate, config.hidden_size,
+                                                    self.head_dim, zeros=True)
             self.index_kpool_compress_ape = torch.nn.Parameter(
                 torch.zeros(self.kpool, self.head_dim, device=self.linear_wk.weight.device),
                 requires_grad=config.dsa_indexer_kpool_train_ape,

@@ -9,9 +9,8 @@
   (:mod:`kpool_layers.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
   ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
   backend; straight-through backward.
-* :func:`apply_precision` - routes every linear of a model, chosen by a ``role_of(name, module)``
-  callable, through the policy (grouped experts refuse FP8 experts); :func:`precision_map` lists
-  what it does.
+* :class:`LinearNumerics` - how the linear of one role computes under a policy; the role-tagged
+  linears of :mod:`kpool_layers.linears` hold theirs from the build on.
 
 Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
 (``nn.Linear`` / megatron layout, output partition first), outputs ``[..., N]``.
@@ -26,15 +25,9 @@ import typing
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 
 from kpool_layers import fp8
 from kpool_layers.fp8 import Recipe, ScaleFormat
-from kpool_layers.grouped_experts import GroupedExperts
 
 if TYPE_CHECKING:
     from kpool_layers.indexer import IndexerNumerics
@@ -357,176 +350,59 @@ def quantized_matmul(
 
 
 # ---------------------------------------------------------------------------------------------
-# Routing linears through the policy
+# The numerics of one linear
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class _LinearCompute:
-    """How one linear computes ``x @ w.T``: FP8 (``quantized``) or in ``dtype``."""
+class LinearNumerics:
+    """How the linear of ``role`` computes ``x @ w.T`` under ``policy``: an FP8 GEMM
+    (:attr:`quantized`; the policy's recipe, scale format and backend) or a GEMM in
+    :meth:`dtype`. Decided against the weight's dtype when the linear runs (a model cast after the
+    build computes as its weights are). With ``note`` the linear's forward does not compute the
+    role: the module that owns it uses the weight itself, in ``owner_dtype`` (None: the weight's),
+    e.g. the absorbed MLA ``kv_up`` and the KPool indexer's head weights."""
 
-    quantized: bool
-    dtype: torch.dtype
-    recipe: str
-    backend: str
-    scale_format: str
+    policy: PrecisionPolicy
+    role: Role
+    note: Optional[str] = None
+    owner_dtype: Optional[torch.dtype] = None
+    _replaces: dict[torch.dtype, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """:meth:`replaces_gemm` per weight dtype (asked at every forward)."""
+
+    def computed_by_owner(self, note: str, dtype: Optional[torch.dtype] = None) -> "LinearNumerics":
+        """These numerics for a linear whose forward never runs: its owner computes with the
+        weight in ``dtype`` (None: the weight's), for the reason ``note``."""
+        return LinearNumerics(self.policy, self.role, note, dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the linear runs as an FP8 GEMM."""
+        return self.note is None and self.policy.quantized(self.role)
+
+    def dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the linear computes in, for a weight of ``weight_dtype``."""
+        if self.note is not None:
+            return self.owner_dtype or weight_dtype
+        return self.policy.compute_dtype(self.role, weight_dtype)
+
+    def replaces_gemm(self, weight_dtype: torch.dtype) -> bool:
+        """Whether the linear's forward must compute with these numerics instead of its base
+        class' GEMM (quantized, or a dtype other than the weight's)."""
+        if weight_dtype not in self._replaces:
+            self._replaces[weight_dtype] = self.note is None and (
+                self.quantized or self.dtype(weight_dtype) != weight_dtype)
+        return self._replaces[weight_dtype]
+
+    @functools.cached_property
+    def backend(self) -> str:
+        """The FP8 GEMMs' backend (:func:`resolve_backend`, resolved at the first use: a dry run
+        builds for another machine)."""
+        return resolve_backend(self.policy)
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        x, w = x.to(self.dtype), w.to(self.dtype)
+        dtype = self.dtype(w.dtype)
+        x, w = x.to(dtype), w.to(dtype)
         if self.quantized:
-            return quantized_matmul(x, w, self.recipe, self.backend, self.scale_format)
+            return quantized_matmul(x, w, self.policy.recipe, self.backend, self.policy.scale_format)
         return x @ w.t()
-
-
-def _megatron_forward_impl(compute: _LinearCompute) -> Callable[..., torch.Tensor]:
-    """A drop-in for ``ColumnParallelLinear/RowParallelLinear._forward_impl``.
-
-    megatron's ``linear_with_grad_accumulation_and_async_allreduce`` all-gathers the input over
-    the TP group when ``sequence_parallel`` (and reduce-scatters its gradient) or all-reduces the
-    input gradient when ``allreduce_dgrad``. The same collectives are issued here through
-    megatron's autograd mappings, around ``compute`` instead of ``torch.matmul``, so the layer's
-    TP communication (and everything in ``forward`` outside ``_forward_impl``) is unchanged. The
-    weight gradient lands in ``weight.grad`` (no gradient-accumulation fusion; megatron's DDP
-    hook adds it into ``main_grad``)."""
-
-    def forward_impl(
-        input: torch.Tensor,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        gradient_accumulation_fusion: bool = False,
-        allreduce_dgrad: bool = False,
-        sequence_parallel: bool = False,
-        grad_output_buffer: Optional[list[torch.Tensor]] = None,
-        wgrad_deferral_limit: Optional[int] = None,
-        tp_group: Optional[torch.distributed.ProcessGroup] = None,
-        gtp_remat_size: int = 1,
-    ) -> torch.Tensor:
-        if grad_output_buffer is not None or gtp_remat_size > 1:
-            raise ValueError(
-                "precision routing does not support deferred embedding wgrad "
-                "(defer_embedding_wgrad_compute) or gtp_remat_size > 1"
-            )
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
-        out = compute(input, weight)
-        return out + bias.to(out.dtype) if bias is not None else out
-
-    return forward_impl
-
-
-def _torch_linear_forward(module: torch.nn.Linear, compute: _LinearCompute) -> Callable[[torch.Tensor], torch.Tensor]:
-    def forward(input: torch.Tensor) -> torch.Tensor:
-        out = compute(input, module.weight)
-        return out + module.bias.to(out.dtype) if module.bias is not None else out
-
-    return forward
-
-
-def _weight_dtype(module: torch.nn.Module) -> Optional[torch.dtype]:
-    weight = getattr(module, "weight", None)
-    return weight.dtype if isinstance(weight, torch.Tensor) else None
-
-
-_ROUTED = "_kpool_precision_routed"
-"""Attribute marking the instance ``forward``/``_forward_impl`` functions installed here."""
-
-
-def _routed(fn: Callable[..., Any]) -> Callable[..., Any]:
-    setattr(fn, _ROUTED, True)
-    return fn
-
-
-def _unroute(module: torch.nn.Module) -> None:
-    """Drop the instance overrides a previous :func:`apply_precision` installed."""
-    for attr in ("forward", "_forward_impl"):
-        if getattr(vars(module).get(attr), _ROUTED, False):
-            delattr(module, attr)
-
-
-def _route(name: str, module: torch.nn.Module, role: Role, policy: PrecisionPolicy, backend: str) -> None:
-    """Make ``module`` compute as ``policy`` says for ``role`` (see :func:`apply_precision`)."""
-    _unroute(module)
-    quantized = policy.quantized(role)
-    own_dtype = _weight_dtype(module)
-    dtype = policy.compute_dtype(role, own_dtype or torch.bfloat16)
-    if not (quantized or dtype != own_dtype):
-        return
-    compute = _LinearCompute(quantized, dtype, policy.recipe, backend, policy.scale_format)
-    if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-        module._forward_impl = _routed(_megatron_forward_impl(compute))
-    elif isinstance(module, torch.nn.Linear):
-        module.forward = _routed(_torch_linear_forward(module, compute))
-    elif not quantized and getattr(getattr(module, "config", None), "moe_router_dtype", None) == "fp32":
-        return  # megatron's TopKRouter computes its gating GEMM in FP32 itself
-    else:
-        raise ValueError(
-            f"{name} ({type(module).__name__}) with role {role.value} is not a linear that "
-            "precision routing can wrap (ColumnParallelLinear, RowParallelLinear, nn.Linear)"
-        )
-
-
-RoleOf = Callable[[str, torch.nn.Module], Optional[str]]
-"""``role_of(module_name, module) -> role value or None`` (None: leave the module alone)."""
-
-
-def _roles(model: torch.nn.Module, role_of: RoleOf) -> list[tuple[str, torch.nn.Module, Role]]:
-    found = []
-    for name, module in model.named_modules():
-        role = role_of(name, module)
-        if role is not None:
-            found.append((name, module, Role(role)))
-    return found
-
-
-def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
-    """Route each linear that ``role_of`` names through ``policy``; returns :func:`precision_map`.
-
-    * quantized role, ``torch``/``emulate`` backend: megatron ``Column/RowParallelLinear`` get an
-      instance ``_forward_impl`` (TP collectives kept, see :func:`_megatron_forward_impl`),
-      ``nn.Linear`` an instance ``forward``; both compute via :func:`quantized_matmul`.
-    * unquantized role whose dtype differs from the weight's (e.g. FP32 indexer weights proj):
-      the same wrapping with a plain GEMM in that dtype (output in that dtype).
-
-    Wrapping is by instance attribute over the class method; calling again first removes the
-    previous routing, so a model can be re-routed under another policy.
-    """
-    _refuse_fp8_grouped_experts(model, policy)
-    backend = resolve_backend(policy)
-    for name, module, role in _roles(model, role_of):
-        _route(name, module, role, policy, backend)
-    return precision_map(model, policy, role_of)
-
-
-def _refuse_fp8_grouped_experts(model: torch.nn.Module, policy: PrecisionPolicy) -> None:
-    """Grouped experts have no per-expert linears to route: FP8 experts need ``SequentialMLP``."""
-    if not (policy.quantized(Role.MOE_EXPERT_FC1) or policy.quantized(Role.MOE_EXPERT_FC2)):
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, GroupedExperts):
-            raise ValueError(
-                f"{name}: precision.fp8=true quantizes the routed experts (moe.expert_fc1/fc2), which "
-                "grouped experts (model.moe_grouped_gemm=true) do not support; set "
-                "model.moe_grouped_gemm=false or leave it null (auto picks per-expert linears with FP8)"
-            )
-
-
-def precision_map(model: torch.nn.Module, policy: PrecisionPolicy, role_of: RoleOf) -> list[dict[str, Any]]:
-    """One row per routed module: ``module`` name, ``role``, ``quantized``, ``dtype`` (e.g.
-    ``"bfloat16"``) and ``backend`` (resolved backend for quantized rows, else ``"none"``)."""
-    backend = resolve_backend(policy)
-    rows = []
-    for name, module, role in _roles(model, role_of):
-        quantized = policy.quantized(role)
-        dtype = policy.compute_dtype(role, _weight_dtype(module) or torch.bfloat16)
-        rows.append(
-            {
-                "module": name,
-                "role": role.value,
-                "quantized": quantized,
-                "dtype": str(dtype).removeprefix("torch."),
-                "backend": backend if quantized else "none",
-            }
-        )
-    return rows

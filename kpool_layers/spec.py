@@ -8,16 +8,26 @@ no Transformer Engine) with the sequence-parallel capable ``SPNorm`` norms. With
 ``config.moe_grouped_gemm`` the routed experts are
 :class:`kpool_layers.grouped_experts.GroupedExperts` (grouped GEMMs), else megatron's
 ``SequentialMLP``.
+
+Precision roles are decided here, by the spec: every linear of the MLP, the routed experts
+(``SequentialMLP`` builds its experts from the ``MLPSubmodules`` given), the shared expert and the
+router is a role-tagged class of :mod:`kpool_layers.linears` (``mlp.fc1/fc2``,
+``moe.expert_fc1/fc2``, ``moe.shared_fc1/fc2``, ``moe.router``); the attention's roles come from
+``kpool_layers.attention.glm_attention_spec``. ``GroupedExperts`` has no linears (FP8 experts are
+refused at its build).
 """
 
 from __future__ import annotations
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_mtp_block_spec_for_backend,
-    get_mlp_module_spec_for_backend,
-)
+from functools import partial
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import (
@@ -28,7 +38,9 @@ from megatron.core.transformer.transformer_layer import (
 
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_experts import GroupedExperts
+from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, RoleTopKRouter, role_builder
 from kpool_layers.norm import SPNorm
+from kpool_layers.precision import Role
 
 
 class SPLocalSpecProvider(LocalSpecProvider):
@@ -44,14 +56,28 @@ class SPLocalSpecProvider(LocalSpecProvider):
         return super().grouped_mlp_modules(moe_use_grouped_gemm)
 
 
+def _mlp_submodules(fc1: Role, fc2: Role) -> MLPSubmodules:
+    return MLPSubmodules(linear_fc1=role_builder(RoleColumnParallelLinear, fc1),
+                         linear_fc2=role_builder(RoleRowParallelLinear, fc2))
+
+
+def glm_mlp_spec(config: GLMTransformerConfig, moe: bool):  # noqa: ANN201 (megatron MlpBuilder)
+    """megatron's dense ``MLP``, or its ``MoELayer`` (router, routed experts, shared expert), on the
+    local backend with role-tagged linears; what ``get_mlp_module_spec_for_backend`` builds for the
+    local backend, roles added."""
+    if not moe:
+        return partial(MLP.as_mlp_submodule, submodules=_mlp_submodules(Role.MLP_FC1, Role.MLP_FC2))
+    experts = (GroupedExperts if config.moe_grouped_gemm else
+               partial(SequentialMLP, submodules=_mlp_submodules(Role.MOE_EXPERT_FC1, Role.MOE_EXPERT_FC2)))
+    shared = partial(SharedExpertMLP, submodules=_mlp_submodules(Role.MOE_SHARED_FC1, Role.MOE_SHARED_FC2))
+    return partial(MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
+                                                      router=RoleTopKRouter))
+
+
 def glm_layer_spec(config: GLMTransformerConfig, attention: ModuleSpec, moe: bool) -> ModuleSpec:
     """One decoder layer: pre-norm attention + pre-norm dense MLP or MoE, residual adds."""
     provider = SPLocalSpecProvider()
-    mlp = get_mlp_module_spec_for_backend(
-        backend=provider,
-        num_experts=config.num_moe_experts if moe else None,
-        moe_grouped_gemm=config.moe_grouped_gemm,
-    )
+    mlp = glm_mlp_spec(config, moe)
     norm = provider.layer_norm(rms_norm=config.normalization == "RMSNorm")
     return ModuleSpec(
         module=TransformerLayer,

@@ -154,5 +154,5 @@ def print_precision_map(model: Any) -> None:
     policy = model.config.precision
     backend = policy.backend if policy.fp8 else "none"
     print(f"precision map ({policy.name}, backend {backend}; role xN  compute  dtype):")
-    for line in format_rows(precision_rows(model, policy, backend)):
+    for line in format_rows(precision_rows(model, backend)):
         print(line)

@@ -43,7 +43,7 @@ from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_me
                              reset_peak_memory)
 from recipes.model import build_gpt_model
 from recipes.nonfinite import NonFiniteGuard
-from recipes.precision_setup import kernel_rows, report_precision, setup_precision
+from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
 from recipes.run_result import RunResult
@@ -114,8 +114,8 @@ def _build(cfg: Any) -> Trainer:
         model = model.cuda()
     if tcfg.bf16:
         model = Float16Module(tcfg, model)
-    # precision: route linears (FP8 etc.); the map also lists the DSA kernels (model.dsa_kernels)
-    precision_map = setup_precision(model) + kernel_rows(model)
+    # the precision map (roles and numerics fixed at the build) and the DSA kernels (model.dsa_kernels)
+    precision_rows = precision_map(model) + kernel_rows(model)
     par = cfg.parallelism
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -146,7 +146,7 @@ def _build(cfg: Any) -> Trainer:
     tcfg.finalize_model_grads_func = finalize_model_grads
     tcfg.no_sync_func = ddp.no_sync
     return Trainer(ddp, optimizer, scheduler, tcfg,
-                   t.global_batch_size // (t.micro_batch_size * dp), precision_map)
+                   t.global_batch_size // (t.micro_batch_size * dp), precision_rows)
 
 
 def packed_eod_id(cfg: Any, tokenizer: MegatronTokenizerBase) -> Optional[int]:

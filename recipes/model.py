@@ -18,14 +18,16 @@ from megatron.core.models.gpt import GPTModel
 from kpool_layers import _cpu
 from kpool_layers.attention import glm_attention_spec
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.linears import assign_gpt_roles
 from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec
 
 
 def build_gpt_model(cfg: Any, tcfg: GLMTransformerConfig) -> GPTModel:
-    """The ``GPTModel`` for this rank's pipeline stage (embedding on the first, head on the last)."""
+    """The ``GPTModel`` for this rank's pipeline stage (embedding on the first, head on the last),
+    every linear tagged with its precision role (``kpool_layers.linears``)."""
     attention = glm_attention_spec(tcfg)
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    return GPTModel(
+    model = GPTModel(
         config=tcfg,
         transformer_layer_spec=glm_decoder_block_spec(tcfg, attention, pp_rank=ps.get_pipeline_model_parallel_rank()),
         vocab_size=cfg.model.vocab_size,
@@ -37,6 +39,8 @@ def build_gpt_model(cfg: Any, tcfg: GLMTransformerConfig) -> GPTModel:
         # MTP layers number from 1 again: their own spec keeps their top-k share separate.
         mtp_block_spec=glm_mtp_block_spec(tcfg, glm_attention_spec(tcfg)) if post else None,
     )
+    assign_gpt_roles(model)  # embedding / output layer: GPTModel builds them from no spec
+    return model
 
 
 @contextlib.contextmanager

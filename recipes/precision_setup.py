@@ -1,22 +1,26 @@
-"""Applies the precision policy of a built GLM-5.x model (``model.config.precision``, made from the
-``precision`` group by ``recipes.megatron_config``) and reports what it did.
+"""The precision map of a built GLM-5.x model, read from its modules' roles, and the profiles.
+
+The policy (``model.config.precision``, made from the ``precision`` group by
+``recipes.megatron_config``) is applied at the build: the layer specs build every linear as a
+role-tagged class that holds its role's numerics (``kpool_layers.linears``). Here:
 
 * :func:`profile_policy` - the policy of a profile of ``conf/precision`` (the profiles' only
   definition).
-* :func:`linear_role` - the :class:`~kpool_layers.precision.Role` of every linear by module name.
-* :func:`setup_precision` - routes the linears (:func:`kpool_layers.precision.apply_precision`),
-  switches the indexers' serving-quantized scoring on, returns the precision map.
-* :func:`precision_rows` / :func:`report_precision` - the map (one row per linear: ``module``,
-  ``role``, ``quantized``, ``dtype``, ``backend``, ``note``), printed, saved as
-  ``<run dir>/precision_map.json`` and put in the wandb config.
+* :func:`precision_map` / :func:`precision_rows` / :func:`report_precision` - the map (one row per
+  linear: ``module``, ``role``, ``quantized``, ``dtype``, ``backend``, ``note``) from each module's
+  ``role`` and ``numerics``, printed, saved as ``<run dir>/precision_map.json`` and put in the
+  wandb config.
 
-Two roles are not routed through a wrapped forward, and the map says so in ``note``:
+Two roles are not computed by their linear's forward, and the map says so in ``note`` (the owning
+module marks them at its build):
 
-* ``mla.kv_up``: the absorbed MLA uses ``linear_kv_up_proj.weight`` directly (split per head into
-  ``W_uk`` / ``W_uv`` for batched matmuls, ``kpool_layers.attention``); its forward never runs,
-  so it always computes in the model dtype, never FP8, whatever the policy says.
-* ``indexer.weights`` with ``kpool > 1``: the KPool contract computes the head weights with an
-  FP32 GEMM inside the indexer (docs/kpool.md), so it is FP32 whatever the policy says.
+* ``mla.kv_up`` (``kpool_layers.attention.KV_UP_NOTE``): the absorbed MLA uses
+  ``linear_kv_up_proj.weight`` directly (split per head into ``W_uk`` / ``W_uv`` for batched
+  matmuls); its forward never runs, so it always computes in the model dtype, never FP8, whatever
+  the policy says.
+* ``indexer.weights`` with ``kpool > 1`` (``kpool_layers.indexer.KPOOL_WEIGHTS_NOTE``): the KPool
+  contract computes the head weights with an FP32 GEMM inside the indexer (docs/kpool.md), so it
+  is FP32 whatever the policy says.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.layers import (
@@ -37,7 +41,7 @@ from omegaconf import OmegaConf
 
 from kpool_layers.core_attention import SparseMLACore
 from kpool_layers.indexer import DSAIndexer
-from kpool_layers.precision import PrecisionPolicy, Role, apply_precision, resolve_backend
+from kpool_layers.precision import PrecisionPolicy, resolve_backend
 from recipes.schema import PrecisionConfig
 
 PROFILES_DIR = Path(__file__).resolve().parent / "conf" / "precision"
@@ -45,33 +49,6 @@ PROFILES_DIR = Path(__file__).resolve().parent / "conf" / "precision"
 
 _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TopKRouter, torch.nn.Linear)
 
-# (pattern on the module name with wrapper prefixes removed, role); the first match wins.
-_RULES: tuple[tuple[re.Pattern[str], Role], ...] = tuple(
-    (re.compile(p), r)
-    for p, r in (
-        (r"(^|\.)embedding\.word_embeddings$", Role.EMBEDDING),
-        (r"(^|\.)output_layer$", Role.OUTPUT),
-        (r"\.self_attention\.linear_q_down_proj$", Role.MLA_Q_DOWN),
-        (r"\.self_attention\.linear_q_up_proj$", Role.MLA_Q_UP),
-        (r"\.self_attention\.linear_kv_down_proj$", Role.MLA_KV_DOWN),
-        (r"\.self_attention\.linear_kv_up_proj$", Role.MLA_KV_UP),
-        (r"\.self_attention\.linear_proj$", Role.MLA_OUT),
-        (r"\.indexer\.linear_wq_b$", Role.INDEXER_Q),
-        (r"\.indexer\.linear_wk$", Role.INDEXER_K),
-        (r"\.indexer\.linear_weights_proj$", Role.INDEXER_WEIGHTS),
-        (r"\.indexer\.index_kpool_compress_gate$", Role.INDEXER_KPOOL_GATE),
-        (r"\.mlp\.router$", Role.MOE_ROUTER),
-        (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1$", Role.MOE_EXPERT_FC1),
-        (r"\.mlp\.experts\.local_experts\.\d+\.linear_fc2$", Role.MOE_EXPERT_FC2),
-        (r"\.mlp\.shared_experts\.linear_fc1$", Role.MOE_SHARED_FC1),
-        (r"\.mlp\.shared_experts\.linear_fc2$", Role.MOE_SHARED_FC2),
-        (r"\.mlp\.linear_fc1$", Role.MLP_FC1),
-        (r"\.mlp\.linear_fc2$", Role.MLP_FC2),
-    )
-)
-
-KV_UP_NOTE = "absorbed: weight used directly (W_uk/W_uv batched matmuls) in the model dtype, never FP8"
-KPOOL_WEIGHTS_NOTE = "KPool contract: FP32 GEMM inside the indexer"
 NO_ROLE_NOTE = "no precision role: left as built"
 
 
@@ -88,68 +65,22 @@ def _strip(name: str) -> str:
     return name
 
 
-def linear_role(name: str) -> Optional[Role]:
-    """Role of the module called ``name`` in a (possibly wrapped) GPTModel, or None."""
-    bare = _strip(name)
-    for pattern, role in _RULES:
-        if pattern.search(bare):
-            return role
-    return None
-
-
-def _parent(modules: dict[str, torch.nn.Module], name: str) -> Optional[torch.nn.Module]:
-    return modules.get(name.rsplit(".", 1)[0]) if "." in name else None
-
-
-def _not_routed_note(modules: dict[str, torch.nn.Module], name: str, role: Role) -> Optional[str]:
-    """Why a role's linear is not routed (see the module docstring), or None if it is."""
-    if role is Role.MLA_KV_UP:
-        return KV_UP_NOTE
-    parent = _parent(modules, name)
-    if role is Role.INDEXER_WEIGHTS and isinstance(parent, DSAIndexer) and parent.kpool > 1:
-        return KPOOL_WEIGHTS_NOTE
-    return None
-
-
-def _routing_role_of(model: torch.nn.Module):  # noqa: ANN202 - kpool_layers.precision.RoleOf
-    modules = dict(model.named_modules())
-
-    def role_of(name: str, module: torch.nn.Module) -> Optional[str]:
-        role = linear_role(name)
-        if role is None or _not_routed_note(modules, name, role) is not None:
-            return None
-        return role.value
-
-    return role_of
-
-
-def _weight_dtype(module: torch.nn.Module) -> torch.dtype:
-    weight = getattr(module, "weight", None)
-    return weight.dtype if isinstance(weight, torch.Tensor) else torch.bfloat16
-
-
-def precision_rows(model: torch.nn.Module, policy: PrecisionPolicy, backend: str) -> list[dict[str, Any]]:
+def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]:
     """The precision map: one row per linear-like module of ``model`` (parallel linears,
     ``nn.Linear``, embedding, router) with ``module`` (wrapper prefixes removed), ``role`` (or
     None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
-    rows, else ``"none"``) and ``note`` (why a role is not routed, else None)."""
-    modules = dict(model.named_modules())
+    rows, else ``"none"``) and ``note`` (why the linear's forward does not compute its role, else
+    None), from the module's ``role`` and ``numerics``."""
     rows = []
-    for name, module in modules.items():
+    for name, module in model.named_modules():
         if not isinstance(module, _LINEAR_TYPES):
             continue
-        role = linear_role(name)
-        own = _weight_dtype(module)
+        role = getattr(module, "role", None)
         if role is None:
-            quantized, dtype, note = False, own, NO_ROLE_NOTE
+            quantized, dtype, note = False, module.weight.dtype, NO_ROLE_NOTE
         else:
-            note = _not_routed_note(modules, name, role)
-            if note == KV_UP_NOTE:
-                quantized, dtype = False, own
-            elif note == KPOOL_WEIGHTS_NOTE:
-                quantized, dtype = False, torch.float32
-            else:
-                quantized, dtype = policy.quantized(role), policy.compute_dtype(role, own)
+            numerics = module.numerics
+            quantized, dtype, note = numerics.quantized, numerics.dtype(module.weight.dtype), numerics.note
         rows.append({
             "module": _strip(name),
             "role": role.value if role else None,
@@ -183,14 +114,10 @@ def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
     return rows
 
 
-def setup_precision(model: torch.nn.Module) -> list[dict[str, Any]]:
-    """Apply the policy of a built (dtype-cast) model, ``model.config.precision``: route every
-    routable linear through it; returns :func:`precision_rows`. The indexers' other numerics (key
-    LayerNorm precision, serving-quantized scoring) are fixed at their construction from the
-    config (:func:`kpool_layers.indexer.training_numerics`)."""
-    policy: PrecisionPolicy = model.config.precision
-    apply_precision(model, policy, _routing_role_of(model))
-    return precision_rows(model, policy, resolve_backend(policy))
+def precision_map(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """:func:`precision_rows` of a built model under its policy (``model.config.precision``), with
+    the backend resolved here."""
+    return precision_rows(model, resolve_backend(model.config.precision))
 
 
 def format_rows(rows: list[dict[str, Any]]) -> list[str]:

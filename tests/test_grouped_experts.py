@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from kpool_layers import grouped_experts as ge
 from kpool_layers.grouped_experts import GroupedExperts, grouped_linear
-from kpool_layers.precision import PrecisionPolicy, apply_precision
+from kpool_layers.precision import PrecisionPolicy
 
 U = 2.0**-24
 HIDDEN, FFN = 32, 16
@@ -313,11 +313,12 @@ def test_unsupported_expert_features_are_named(single_rank_parallel_state):
 
 
 def test_fp8_expert_quantization_is_refused_naming_the_key(single_rank_parallel_state):
-    model = torch.nn.Module()
-    model.experts = GroupedExperts(2, config(), pg_collection=get_default_pg_collection())
+    cfg = config()
+    cfg.precision = PrecisionPolicy(fp8=True, backend="emulate")
     with pytest.raises(ValueError, match=r"precision\.fp8=true.*model\.moe_grouped_gemm=false"):
-        apply_precision(model, PrecisionPolicy(fp8=True, backend="emulate"), lambda n, m: None)
-    apply_precision(model, PrecisionPolicy(), lambda n, m: None)  # no FP8: fine
+        GroupedExperts(2, cfg, pg_collection=get_default_pg_collection())
+    cfg.precision = PrecisionPolicy()
+    GroupedExperts(2, cfg, pg_collection=get_default_pg_collection())  # no FP8: fine
 
 
 def test_auto_choice_is_gpu_without_fp8():

@@ -137,102 +137,105 @@ def test_quantized_matmul_needs_a_concrete_backend():
         precision.quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "blockwise", "auto")
 
 
-class _Toy(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.q_up = torch.nn.Linear(128, 256)
-        self.idx_q = torch.nn.Linear(128, 128, bias=False)
-        self.idx_w = torch.nn.Linear(128, 4, bias=False)
-        self.fc1 = torch.nn.Linear(128, 256)
-        self.norm = torch.nn.LayerNorm(128)
-
-
 _TOY_ROLES = {"q_up": "mla.q_up", "idx_q": "indexer.q", "idx_w": "indexer.weights", "fc1": "mlp.fc1"}
+_TOY_BIAS = {"q_up", "fc1"}
 
 
-def _toy_role_of(name: str, module: torch.nn.Module) -> str | None:
-    return _TOY_ROLES.get(name)
+def _toy(policy: PrecisionPolicy) -> torch.nn.ModuleDict:
+    """Role-tagged duplicated linears of a BF16 model under ``policy`` (seeded weights)."""
+    from types import SimpleNamespace
 
+    from kpool_layers.linears import RoleDuplicatedLinear
 
-def test_apply_precision_nn_linear_serving_match():
+    config = SimpleNamespace(precision=policy, params_dtype=torch.bfloat16, use_cpu_initialization=True,
+                             perform_initialization=True)
     torch.manual_seed(0)
-    model = _Toy().to(torch.bfloat16)
+    return torch.nn.ModuleDict({
+        name: RoleDuplicatedLinear(128, 4 if name == "idx_w" else 256, config=config, role=role,
+                                   init_method=torch.nn.init.xavier_normal_, bias=name in _TOY_BIAS)
+        for name, role in _TOY_ROLES.items()
+    })
+
+
+def test_role_linears_serving_match():
     x = torch.randn(6, 128).to(torch.bfloat16)
-    before = {n: getattr(model, n)(x) for n in _TOY_ROLES}
-    policy = _profile("serving_match", backend="emulate")
-    rows = precision.apply_precision(model, policy, _toy_role_of)
-    assert rows == [
-        {"module": "q_up", "role": "mla.q_up", "quantized": False, "dtype": "bfloat16", "backend": "none"},
-        {"module": "idx_q", "role": "indexer.q", "quantized": False, "dtype": "bfloat16", "backend": "none"},
-        {"module": "idx_w", "role": "indexer.weights", "quantized": False, "dtype": "float32", "backend": "none"},
-        {"module": "fc1", "role": "mlp.fc1", "quantized": True, "dtype": "bfloat16", "backend": "emulate"},
+    plain = _toy(profile_policy("bf16"))
+    before = {n: plain[n](x) for n in _TOY_ROLES}
+    model = _toy(_profile("serving_match", backend="emulate"))
+    assert [(m.role.value, m.numerics.quantized, m.numerics.dtype(m.weight.dtype)) for m in model.values()] == [
+        ("mla.q_up", False, torch.bfloat16),
+        ("indexer.q", False, torch.bfloat16),
+        ("indexer.weights", False, torch.float32),
+        ("mlp.fc1", True, torch.bfloat16),
     ]
-    # Unquantized BF16 roles are untouched.
-    assert "forward" not in vars(model.q_up) and torch.equal(model.q_up(x), before["q_up"])
+    # Unquantized BF16 roles compute as nn.Linear.
+    assert not model["q_up"].numerics.replaces_gemm(torch.bfloat16) and torch.equal(model["q_up"](x), before["q_up"])
     # FP32 weights projection: FP32 output from FP32 operands.
-    w_out = model.idx_w(x)
+    w_out = model["idx_w"](x)
     assert w_out.dtype == torch.float32
-    torch.testing.assert_close(w_out, x.float() @ model.idx_w.weight.float().t(), rtol=0, atol=0)
+    torch.testing.assert_close(w_out, x.float() @ model["idx_w"].weight.float().t(), rtol=0, atol=0)
     # Quantized MLP: the emulated FP8 GEMM plus bias.
-    expected = precision.quantized_matmul(x, model.fc1.weight, "blockwise", "emulate") + model.fc1.bias
-    assert torch.equal(model.fc1(x), expected) and not torch.equal(expected, before["fc1"])
-    # Re-routing under fp8 quantizes the MLA projection too; under bf16 everything is as before.
-    precision.apply_precision(model, _profile("fp8", backend="emulate"), _toy_role_of)
-    assert model.q_up(x).dtype == torch.bfloat16 and not torch.equal(model.q_up(x), before["q_up"])
-    precision.apply_precision(model, profile_policy("bf16"), _toy_role_of)
-    for n in ("q_up", "idx_q", "fc1"):
-        assert "forward" not in vars(getattr(model, n)) and torch.equal(getattr(model, n)(x), before[n])
-    assert model.idx_w(x).dtype == torch.bfloat16
+    fc1 = model["fc1"]
+    expected = precision.quantized_matmul(x, fc1.weight, "blockwise", "emulate") + fc1.bias
+    assert torch.equal(fc1(x), expected) and not torch.equal(expected, before["fc1"])
+    # Under fp8 the MLA projection is quantized too; under bf16 everything is nn.Linear.
+    fp8_model = _toy(_profile("fp8", backend="emulate"))
+    assert fp8_model["q_up"](x).dtype == torch.bfloat16 and not torch.equal(fp8_model["q_up"](x), before["q_up"])
+    assert plain["idx_w"](x).dtype == torch.bfloat16
 
 
-def test_apply_precision_rejects_non_linear():
-    def role_of(name: str, module: torch.nn.Module) -> str | None:
-        return "mlp.fc1" if name == "norm" else None
-
-    with pytest.raises(ValueError, match="norm .*LayerNorm.* mlp.fc1"):
-        precision.apply_precision(_Toy(), _profile("fp8", backend="emulate"), role_of)
-
-
-def _megatron_config():
+def _megatron_config(policy: PrecisionPolicy):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=1, hidden_size=128, num_attention_heads=1, use_cpu_initialization=True,
         params_dtype=torch.float32,
     )
+    config.precision = policy
+    return config
+
+
+def _parallel_linear(kind: str, config, role: str | None = None):  # noqa: ANN001, ANN202
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
+
+    init = torch.nn.init.xavier_normal_
+    torch.manual_seed(3)
+    if kind == "column":
+        cls = ColumnParallelLinear if role is None else RoleColumnParallelLinear
+        return cls(128, 256, config=config, init_method=init, bias=True, gather_output=False,
+                   **({} if role is None else {"role": role}))
+    cls = RowParallelLinear if role is None else RoleRowParallelLinear
+    return cls(128, 256, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False,
+               **({} if role is None else {"role": role}))
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_apply_precision_megatron_linear(single_rank_parallel_state, kind):
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-    config = _megatron_config()
-    init = torch.nn.init.xavier_normal_
-    if kind == "column":
-        layer = ColumnParallelLinear(128, 256, config=config, init_method=init, bias=True, gather_output=False)
-    else:
-        layer = RowParallelLinear(128, 256, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False)
-
-    class Wrapper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.linear_fc1 = layer
-
-    model = Wrapper()
-    torch.manual_seed(3)
-    x = torch.randn(5, 2, 128, requires_grad=True)  # [s, b, h]
-    ref_out, _ = layer(x)
+def test_role_megatron_linear(single_rank_parallel_state, kind):
     policy = _profile("fp8", backend="emulate")
-    rows = precision.apply_precision(model, policy, lambda n, m: "mlp.fc1" if n == "linear_fc1" else None)
-    assert rows[0]["quantized"] and rows[0]["backend"] == "emulate"
+    ref_layer = _parallel_linear(kind, _megatron_config(policy))
+    layer = _parallel_linear(kind, _megatron_config(policy), role="mlp.fc1")
+    assert torch.equal(layer.weight, ref_layer.weight) and layer.numerics.quantized
+    x = torch.randn(5, 2, 128, requires_grad=True)  # [s, b, h]
+    ref_out, _ = ref_layer(x)
     out, _ = layer(x)
     expected = precision.quantized_matmul(x.detach(), layer.weight.detach(), "blockwise", "emulate") + layer.bias.detach()
     torch.testing.assert_close(out.detach(), expected, rtol=1e-6, atol=1e-6)
     out.square().sum().backward()
     assert torch.isfinite(layer.weight.grad).all() and torch.isfinite(x.grad).all()
-    layer.weight.grad = None
     ref_out.square().sum().backward()
     assert torch.nn.functional.cosine_similarity(out.detach().flatten(), ref_out.detach().flatten(), dim=0) > 0.99
+    # An unquantized role in the weight's dtype runs megatron's own forward.
+    plain = _parallel_linear(kind, _megatron_config(policy), role="embedding")
+    assert torch.equal(plain(x)[0], ref_layer(x)[0])
+
+
+def test_role_linear_refuses_what_its_gemm_does_not_do(single_rank_parallel_state):
+    config = _megatron_config(_profile("fp8", backend="emulate"))
+    config.defer_embedding_wgrad_compute = True
+    with pytest.raises(ValueError, match="mlp.fc1 .*defer_embedding_wgrad_compute"):
+        _parallel_linear("column", config, role="mlp.fc1")
 
 
 # ----------------------------------------------------------------------------------------------

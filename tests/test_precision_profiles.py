@@ -1,5 +1,5 @@
 """Precision profiles: each YAML builds the policy it should, and on the built GLM-5 tiny model
-every linear's role is routed exactly as the profile says, serving-quantized indexer scoring equals
+every linear is built with its role's numerics exactly as the profile says, serving-quantized indexer scoring equals
 ``fp8.serving_index_scores``, top-k drift is exact for ``serving_match`` and measurable for
 ``bf16``; config validation of the precision keys."""
 
@@ -14,15 +14,17 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from kpool_layers import fp8
+from kpool_layers.attention import KV_UP_NOTE
 from kpool_layers.indexer import (DSAIndexer, IndexerNumerics, PlainProjections, RoutedProjections,
                                   ScoredSelection)
-from kpool_layers.precision import _ROUTED, PrecisionPolicy
+from kpool_layers.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
+from kpool_layers.precision import PrecisionPolicy
 from kpool_layers.topk import topk_lower_index_ties
 from recipes.distributed import register_resolvers
 from recipes.drift_logging import DriftMonitor, reference_numerics
 from recipes.megatron_config import to_transformer_config
 from recipes.model import build_gpt_model
-from recipes.precision_setup import KV_UP_NOTE, PROFILES_DIR, profile_policy, setup_precision
+from recipes.precision_setup import PROFILES_DIR, precision_map, profile_policy
 from recipes.schema import ConfigError, register_configs, validate
 from tests.test_indexer import tiny_config
 
@@ -63,7 +65,7 @@ def _forward(model: torch.nn.Module, seed: int = 0, batch: int = 2, seq: int = 6
 @pytest.mark.parametrize("profile", ["bf16", "fp8", "serving_match"])
 def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, profile):
     cfg, model = _build([f"precision={profile}", "precision.backend=emulate"])
-    rows = setup_precision(model)
+    rows = precision_map(model)
     modules = dict(model.named_modules())
     assert {r["role"] for r in rows} == ROLES  # every role present, no linear without a role
     for row in rows:
@@ -71,11 +73,12 @@ def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, pro
         assert row["quantized"] == (role in QUANTIZED[profile]), row
         assert row["dtype"] == ("float32" if role in FP32_ROLES[profile] else "bfloat16"), row
         assert row["backend"] == ("emulate" if row["quantized"] else "none"), row
-        overrides = [a for a in ("forward", "_forward_impl") if getattr(vars(module).get(a), _ROUTED, False)]
-        # Introspection: quantized roles and dtype changes (FP32 indexer weights) are routed, the
-        # absorbed kv_up, the embedding, the output layer and the FP32 router are not.
+        own_gemm = (isinstance(module, (RoleColumnParallelLinear, RoleRowParallelLinear, RoleDuplicatedLinear))
+                    and module.numerics.replaces_gemm(module.weight.dtype))
+        # Introspection: quantized roles and dtype changes (FP32 indexer weights) compute their own
+        # GEMM, the absorbed kv_up, the embedding, the output layer and the FP32 router do not.
         routed = row["quantized"] or (role == "indexer.weights" and profile == "serving_match")
-        assert bool(overrides) == routed, (row, overrides)
+        assert own_gemm == routed, row
         if role == "mla.kv_up":
             assert row["note"] == KV_UP_NOTE and not row["quantized"]
     indexers = [m for m in model.modules() if isinstance(m, DSAIndexer)]
@@ -88,7 +91,6 @@ def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, pro
 
 def test_quantized_linear_computes_emulated_fp8(single_rank_parallel_state):
     cfg, model = _build(["precision=fp8", "precision.backend=emulate"])
-    setup_precision(model)
     fc1 = model.decoder.layers[0].mlp.linear_fc1
     x = torch.randn(5, 2, 128).to(torch.bfloat16)
     out, _ = fc1(x)
@@ -137,17 +139,15 @@ def _drift(model: torch.nn.Module, cfg) -> dict[int, dict[str, float]]:
 
 def test_serving_match_has_no_drift_and_bf16_drifts(single_rank_parallel_state):
     cfg, model = _build(["precision=serving_match", "precision.backend=emulate"])
-    setup_precision(model)
     exact = _drift(model, cfg)
     assert sorted(exact) == [1, 2, 3, 4]
     for metrics in exact.values():
         assert metrics["topk_overlap"] == 1.0 and metrics["topk_exact_rows"] == 1.0
         assert metrics["topk_jaccard"] == 1.0 and metrics["score_rel_err"] == 0.0
-    # Same weights and tokens under bf16 (the indexers' numerics are fixed at construction: a bf16
-    # build loaded with these weights): the serving reference's FP8 rounding flips selections.
+    # Same weights and tokens under bf16 (a bf16 build, the serving_match weights loaded): the
+    # serving reference's FP8 rounding flips selections.
     bf16, bf16_model = _build(["precision=bf16"])
     bf16_model.load_state_dict(model.state_dict())
-    setup_precision(bf16_model)
     drifted = _drift(bf16_model, bf16)
     overlaps = [m["topk_overlap"] for m in drifted.values()]
     assert all(0.5 < o < 1.0 for o in overlaps), overlaps
@@ -159,7 +159,6 @@ def test_drift_hooks_record_the_first_forward_and_leave_nothing(single_rank_para
     """arm() hooks every indexer, the first forward of the step is measured, measure() removes the
     hooks; no attribute is left on the indexers."""
     cfg, model = _build(["precision=bf16"])
-    setup_precision(model)
     monitor = DriftMonitor(cfg.precision.drift, model, cfg.model.num_layers)
     indexers = list(monitor.indexers.values())
     attributes = [dict(vars(ix)) for ix in indexers]
@@ -180,7 +179,6 @@ def test_drift_hooks_record_the_first_forward_and_leave_nothing(single_rank_para
 
 def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
     cfg, model = _build(["precision=bf16", "model.dsa_indexer_kpool=4", "model.dsa_indexer_kpool_always_select_tail=true"])
-    setup_precision(model)
     for ix in model.modules():
         if isinstance(ix, DSAIndexer):  # non-uniform pooling gates
             torch.nn.init.normal_(ix.index_kpool_compress_gate.weight, std=0.5)
