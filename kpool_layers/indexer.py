@@ -28,7 +28,7 @@ this rank's query rows (:meth:`PoolLayout.for_queries`).
 
 Precision (``docs/precision.md``): every computation runs under explicit :class:`IndexerNumerics`.
 The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are fixed at
-construction from the config: the projections through their (precision-routed) linear modules and,
+construction from the config: the projections through their (role-tagged) linear modules and,
 with ``precision.dsa_indexer_kpool_use_quantization``, scoring with the serving engines' quantized
 index inputs (:func:`kpool_layers.fp8.serving_index_quant` on every index-query head and every
 scored key, whose Hadamard replaces ``rotate_activation``), equal to
@@ -84,9 +84,9 @@ class IndexerOutput:
 
 @dataclass(frozen=True)
 class RoutedProjections:
-    """The q / k / head-weights projections and the KPool gate run their linear modules' forwards,
-    i.e. as :func:`kpool_layers.precision.apply_precision` routed them (FP8, or the role's dtype):
-    the training path."""
+    """The q / k / head-weights projections and the KPool gate run their role-tagged linears'
+    forwards (:mod:`kpool_layers.linears`: FP8, or the role's dtype, as the policy says): the
+    training path."""
 
     def qk(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
         """``linear(x)``: ``x [..., n_in]`` -> ``[..., n_out]`` (q / k projection, KPool gate)."""
@@ -100,8 +100,8 @@ class RoutedProjections:
 @dataclass(frozen=True)
 class PlainProjections:
     """The projections as unquantized GEMMs ``x @ w.T`` in a given dtype (input and weight cast;
-    the same GEMM the routing computes for unquantized roles), bypassing the linears' routing:
-    the drift reference.
+    the same GEMM a role-tagged linear computes for an unquantized role), bypassing the linears'
+    own numerics: the drift reference.
 
     ``qk_dtype``: q / k projections and KPool gate; ``weights_dtype``: head-weights projection
     (``kpool > 1`` keeps the KPool contract's FP32 GEMM whatever the numerics)."""
@@ -123,7 +123,7 @@ class IndexerNumerics:
     """The numerics of one indexer computation (training or a drift reference).
 
     ``projections``: how the linears run (:class:`RoutedProjections` = training,
-    :class:`PlainProjections` = unrouted GEMMs in given dtypes); ``k_norm_fp32``: key LayerNorm in
+    :class:`PlainProjections` = plain GEMMs in given dtypes); ``k_norm_fp32``: key LayerNorm in
     FP32; ``index_quant``: serving scale format (``ue8m0`` | ``amax``) to score with
     :func:`serving_index_quant`-ed inputs, None = score the (rotated) q / keys as they are."""
 
@@ -133,7 +133,7 @@ class IndexerNumerics:
 
 
 def training_numerics(config: GLMTransformerConfig) -> IndexerNumerics:
-    """The numerics the indexer trains with: routed projections, the key LayerNorm precision of
+    """The numerics the indexer trains with: the linears' own projections, the key LayerNorm precision of
     ``config.dsa_indexer_k_norm_fp32`` (megatron's field, which the recipes derive from the
     policy) and ``config.precision``'s serving-quantized scoring."""
     return IndexerNumerics(
