@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from enum import Enum
 from functools import partial
 from typing import Callable, Optional
 
@@ -31,8 +32,18 @@ from torch import Tensor
 
 from kpool_layers.topk import chunked_range_topk
 
-BACKENDS = ("auto", "torch", "tilelang", "triton")
-"""Values of ``model.dsa_kernels``."""
+
+class Backend(str, Enum):
+    """Values of ``model.dsa_kernels`` (the schema's field type)."""
+
+    auto = "auto"
+    torch = "torch"
+    tilelang = "tilelang"
+    triton = "triton"
+
+
+BACKENDS = tuple(b.value for b in Backend)
+"""The same values as strings."""
 
 TILELANG_EXTRA = "pip install -e '.[tilelang]'"
 

@@ -27,6 +27,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 
 from kpool_layers import model_facts
+from kpool_layers.dsa_kernels import Backend as DsaKernels
 from kpool_layers.precision import PrecisionPolicy, available_backends
 
 
@@ -85,15 +86,6 @@ class RopeType(str, Enum):
 class RouterScore(str, Enum):
     softmax = "softmax"
     sigmoid = "sigmoid"
-
-
-class DsaKernels(str, Enum):
-    """``kpool_layers.dsa_kernels.BACKENDS``."""
-
-    auto = "auto"
-    torch = "torch"
-    tilelang = "tilelang"
-    triton = "triton"
 
 
 class Dispatcher(str, Enum):
