@@ -12,7 +12,8 @@ from hydra import compose, initialize_config_dir
 from kpool_layers import dsa_kernels
 from kpool_layers.attention import glm_attention_spec
 from kpool_layers.core_attention import CORE_ATTENTION, TorchSparseMLA
-from kpool_layers.kernels.tilelang_dsa import sparse_mla_tilelang, tilelang_heads, valid_indices
+from kpool_layers.kernels.tilelang_dsa import (TILELANG_SLOT_BLOCK, sparse_mla_tilelang, tilelang_heads,
+                                               valid_indices)
 from kpool_layers.sparse_attention import sparse_mla_attention
 from recipes.distributed import register_resolvers
 from recipes.schema import ConfigError, register_configs, validate
@@ -125,6 +126,7 @@ def _reference_kernel(q, kv, indices, scale):  # noqa: ANN001, ANN202
     s_kv = kv.size(1)
     assert d == 576 and kv.shape == (b, s_kv, 1, d) and (heads in (16, 32, 64) or heads % 64 == 0)
     assert indices.shape[:3] == (b, s_q, 1) and indices.dtype == torch.int32
+    assert indices.shape[3] % TILELANG_SLOT_BLOCK == 0  # SparseMLA pads other widths wrongly
     assert q.is_contiguous() and kv.is_contiguous() and indices.is_contiguous()
     out = sparse_mla_attention(q.transpose(0, 1), kv.transpose(0, 1), indices[:, :, 0].long(),
                                scale, v_channels=512, chunk_size=4,

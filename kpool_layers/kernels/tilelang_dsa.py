@@ -117,8 +117,10 @@ def sparse_mla_tilelang(query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
     if heads != n:
         q = F.pad(q, (0, 0, 0, heads - n))
     indices = valid_indices(topk_indices, key_start, query_pos)
-    width = -(-indices.shape[-1] // TILELANG_SLOT_BLOCK) * TILELANG_SLOT_BLOCK
-    indices = F.pad(indices, (0, width - indices.shape[-1]), value=-1).unsqueeze(2)  # [b, s_q, 1, W']
+    pad = -indices.shape[-1] % TILELANG_SLOT_BLOCK
+    if pad:  # F.pad copies even for a zero pad: skip it for plain DSA's widths
+        indices = F.pad(indices, (0, pad), value=-1)
+    indices = indices.unsqueeze(2)  # [b, s_q, 1, W'], W' a multiple of TILELANG_SLOT_BLOCK
     out, _ = kernel(q.contiguous(), kv.contiguous(), indices.contiguous(), softmax_scale)
     return out[:, :, :n].transpose(0, 1)
 
