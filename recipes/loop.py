@@ -179,11 +179,10 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
     ranks is the row's token mean (megatron's schedules divide by the count they get)."""
     mask = loss_mask.reshape(-1).float()
     loss_sum = (output.float().reshape(-1) * mask).sum()
-    report = {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
     tokens = mask.sum()
+    report = {"lm loss": torch.stack([loss_sum.detach(), tokens])}  # a copy: this rank's count
     cp = ps.get_context_parallel_world_size()
     if cp > 1:
-        tokens = tokens.clone()
         dist.all_reduce(tokens, group=ps.get_context_parallel_group())
         loss_sum = loss_sum * cp
     return loss_sum, tokens.to(torch.int), report
