@@ -58,8 +58,11 @@ def slot_probs_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: tor
 
 def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
              thd: bool = False, empty_rows: tuple[int, ...] = (), partial_rows: int = 0,
-             seed: int = 0) -> dict:
-    """Triton vs reference errors of out, dq, dkv (and determinism, empty-row zeros)."""
+             dkv_programs: int = 0, seed: int = 0, layout: str = "gather") -> dict:
+    """Triton (``layout``'s kernels) vs reference errors of out, dq, dkv (and determinism,
+    empty-row zeros). ``partial_rows``: the gather layout's key-gradient chunk; ``dkv_programs``:
+    the dense layout's dKV program target (1: a single split, written in the input dtype)."""
+    from kpool_layers.kernels import sparse_mla_dense_triton as dense
     from kpool_layers.kernels import sparse_mla_triton as smla
 
     gen = torch.Generator().manual_seed(seed)
@@ -74,25 +77,28 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
         key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
     grad_out = torch.randn(s, b, n, v, generator=gen).to(dt)
     scale = d ** -0.5
-    budget = smla.PARTIAL_BUFFER_BYTES
+    budget, programs = smla.PARTIAL_BUFFER_BYTES, dense.DKV_TARGET_PROGRAMS
 
     def triton_run() -> list[torch.Tensor]:
-        out = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start)
+        out = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start,
+                                     layout=layout)
         return [out, *torch.autograd.grad(out, (query, latent), grad_out)]
 
     try:
         if partial_rows:  # several query chunks in the key-gradient reduction
             smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
+        if dkv_programs:
+            dense.DKV_TARGET_PROGRAMS = dkv_programs
         got, again = triton_run(), triton_run()
     finally:
-        smla.PARTIAL_BUFFER_BYTES = budget
+        smla.PARTIAL_BUFFER_BYTES, dense.DKV_TARGET_PROGRAMS = budget, programs
     ref_out = sparse_mla_attention(query, latent, topk, scale, v_channels=v, chunk_size=7,
                                    key_start=key_start)
     ref = [ref_out, *torch.autograd.grad(ref_out, (query, latent), grad_out)]
     report = {name: ((g.double() - r.double()).norm() / r.double().norm()).item()
               for name, g, r in zip(("out", "dq", "dkv"), got, ref)}
     _, probs = smla.sparse_mla_triton(query.detach(), latent.detach(), topk, scale, v_channels=v,
-                                      key_start=key_start, return_slot_probs=True)
+                                      key_start=key_start, return_slot_probs=True, layout=layout)
     want = slot_probs_reference(query, latent, topk, scale, key_start)
     report["probs"] = ((probs.double() - want).norm() / want.norm()).item()
     report["dtypes"] = [str(g.dtype).removeprefix("torch.") for g in got]
@@ -103,7 +109,7 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
 
 
 def run_cp_case(s: int, b: int, n: int, d: int, v: int, width: int, cp: int, partial_rows: int,
-                seed: int = 0) -> dict:
+                layout: str = "gather", seed: int = 0) -> dict:
     """Context parallelism, fp32: each CP rank's query rows (megatron's load-balanced split) with
     ``query_pos`` against all keys, by Triton, vs (a) the full-sequence Triton run's rows (its
     latent-key gradient taken with the upstream gradient zero on the other rows), (b) the torch
@@ -124,7 +130,8 @@ def run_cp_case(s: int, b: int, n: int, d: int, v: int, width: int, cp: int, par
     rel = lambda g, r: ((g.double() - r.double()).norm() / r.double().norm()).item()  # noqa: E731
 
     full_out, full_probs = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v,
-                                                  key_start=key_start, return_slot_probs=True)
+                                                  key_start=key_start, return_slot_probs=True,
+                                                  layout=layout)
     full_dkv = torch.autograd.grad(full_out, latent, grad_out, retain_graph=True)[0]
     report: dict = {"deterministic": True, "unseen_keys_zero": True}
     total = torch.zeros_like(latent)
@@ -142,7 +149,8 @@ def run_cp_case(s: int, b: int, n: int, d: int, v: int, width: int, cp: int, par
             args = (q, latent, topk[:, rows], scale)
             kw = dict(v_channels=v, key_start=key_start[rows], query_pos=rows)
             if backend == "triton":
-                out, probs = smla.sparse_mla_triton(*args, **kw, return_slot_probs=True)
+                out, probs = smla.sparse_mla_triton(*args, **kw, return_slot_probs=True,
+                                                    layout=layout)
             else:
                 out = sparse_mla_attention(*args, **kw, chunk_size=5)
                 probs = slot_probs_reference(q, latent, topk[:, rows], scale, key_start[rows],
@@ -182,7 +190,10 @@ CASES = {
                              {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
     "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
+    "fp16_dense_one_dkv_split": (40, 2, 5, 48, 32, 30, "float16", {"dkv_programs": 1}),
 }
+LAYOUTS = ("gather", "dense")
+"""Every case runs both kernel layouts (``sparse_mla_triton(layout=...)``)."""
 
 
 @pytest.fixture(scope="module")
@@ -194,24 +205,29 @@ def cpu_report() -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_reference_cpu(cpu_report: dict, case: str) -> None:
-    report, dtype = cpu_report[case], CASES[case][6]
+def test_matches_reference_cpu(cpu_report: dict, case: str, layout: str) -> None:
+    report, dtype = cpu_report[f"{case}/{layout}"], CASES[case][6]
     assert report["dtypes"] == [dtype] * 3
     for name in ("out", "dq", "dkv", "probs"):
         assert report[name] <= RTOL[dtype], (name, report)
     assert report["empty_rows_zero"], report
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(CP_CASES))
-def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str) -> None:
+def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str, layout: str
+                                                  ) -> None:
     """fp32. Vs the full run: every row's output, dq and slot probabilities come from the same
     operations on the same values in the same order (only where the causal bound is read from
     differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
     the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
     norm-wise); so is the ranks' dkv sum vs the full dkv. Vs the torch reference with the same
-    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``."""
-    report = cpu_report[case]
+    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout runs one query
+    token per program in fp32, over the same key blocks whether the bound is ``i`` or
+    ``query_pos``, so the same holds."""
+    report = cpu_report[f"{case}/{layout}"]
     errors = {k: e for k, e in report.items() if not isinstance(e, bool)}
     assert len(errors) == 8 * CP_CASES[case][6] + 1, report
     for key, err in errors.items():
@@ -236,6 +252,20 @@ def test_rejects_bad_shapes() -> None:
                           1.0, v_channels=64)
 
 
+def test_layout_rule_and_bad_layout() -> None:
+    """``auto`` takes the contiguous-block kernels up to the measured crossover (16 heads: 4K and
+    8K dense, 16K gather; 64 heads: 4K gather) and an unknown layout names the allowed ones."""
+    from kpool_layers.kernels.sparse_mla_dense_triton import dense_pays
+    from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
+
+    assert [dense_pays(s, 2048, 16) for s in (4096, 8192, 16384)] == [True, True, False]
+    assert not dense_pays(4096, 2048, 64) and dense_pays(2048, 2048, 64)
+    with pytest.raises(ValueError, match="layout must be one of .*'gather', 'dense'"):
+        sparse_mla_triton(torch.zeros(4, 1, 2, 48), torch.zeros(4, 1, 1, 48),
+                          torch.zeros(1, 4, 2, dtype=torch.int32), 1.0, v_channels=32,
+                          layout="blocks")
+
+
 def causal_topk(b: int, s: int, width: int, key_start: torch.Tensor | None, device: str,
                 seed: int) -> torch.Tensor:
     """int32 ``[b, s, W]``: per query up to W distinct random keys of its document's causal
@@ -256,8 +286,8 @@ def causal_topk(b: int, s: int, width: int, key_start: torch.Tensor | None, devi
     return out.int()
 
 
-def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int = 0
-               ) -> tuple[dict, bool]:
+def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, layout: str,
+               seed: int = 0) -> tuple[dict, bool]:
     """bf16 Triton vs the fp32 torch reference on the same (bf16-rounded) inputs: relative errors of
     out, dq, dkv; and whether two Triton runs are bit-identical."""
     from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
@@ -275,7 +305,8 @@ def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int 
     scale = d ** -0.5
 
     def run() -> list[torch.Tensor]:
-        out = sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start)
+        out = sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start,
+                                layout=layout)
         return [out, *torch.autograd.grad(out, (query, latent), grad_out)]
 
     got, again = run(), run()
@@ -290,17 +321,21 @@ def gpu_errors(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int 
 
 @pytest.mark.gpu
 class TestGPU:
+    @pytest.mark.parametrize("layout", LAYOUTS)
     @pytest.mark.parametrize("shape", [  # two shapes only: each compiles its own kernels
         (2048, 64, 576, 512, 2048, False),  # GLM-5
         (1024, 20, 512, 512, 256, True),  # NoPE (GLM-5.3-Flash), odd head count, packed documents
     ])
-    def test_bf16_matches_fp32_reference_and_is_deterministic(self, shape: tuple) -> None:
-        errors, deterministic = gpu_errors(*shape)
+    def test_bf16_matches_fp32_reference_and_is_deterministic(self, shape: tuple, layout: str
+                                                              ) -> None:
+        errors, deterministic = gpu_errors(*shape, layout)
         assert all(e <= 2e-2 for e in errors.values()), errors
         assert deterministic
 
 
 if __name__ == "__main__":  # CPU cases under the interpreter (see the module docstring)
-    report = {name: run_case(*args[:7], **args[7]) for name, args in CASES.items()}
-    report.update({name: run_cp_case(*args) for name, args in CP_CASES.items()})
+    report = {f"{name}/{layout}": run_case(*args[:7], **args[7], layout=layout)
+              for name, args in CASES.items() for layout in LAYOUTS}
+    report.update({f"{name}/{layout}": run_cp_case(*args, layout=layout)
+                   for name, args in CP_CASES.items() for layout in LAYOUTS})
     print(json.dumps(report))

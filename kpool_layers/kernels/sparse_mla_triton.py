@@ -22,7 +22,11 @@ are unique (the indexer's top-k guarantees it); unlike the reference, duplicates
 compile exactly as before (``key <= i``). Its values are not checked (no host sync): they must lie
 in ``[0, s_kv)``, like the top-k keys, since valid slots are loaded unguarded.
 
-Kernels (one program per token ``t = batch * s_q + i``):
+Two layouts (``layout=``): the gather kernels below, and for dense selections (many slots per key
+of the row, few heads) the contiguous-key-block kernels of
+:mod:`kpool_layers.kernels.sparse_mla_dense_triton`; ``auto`` picks by shape (``dense_pays``).
+
+Gather kernels (one program per token ``t = batch * s_q + i``):
   1. forward, grid ``(b*s_q, head blocks)``: loop over slot blocks, gather the selected key rows,
      online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s_q, b, n]`` (log2
      units, ``+inf`` for an empty row so that recomputed probabilities are 0);
@@ -56,41 +60,21 @@ since the interpreter's bf16 ``tl.dot`` is wrong.
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
 import torch
 import triton
 import triton.language as tl
 
+from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
+from kpool_layers.kernels.mla_tiles_triton import LOG2E, load_rows, load_value_rows, pow2, scores
 from kpool_layers.sparse_attention import check_layouts
+
+Layout = Literal["auto", "gather", "dense"]
+"""Which kernels :func:`sparse_mla_triton` runs (see its docstring)."""
 
 PARTIAL_BUFFER_BYTES = 1 << 30
 """Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _load_value_rows(base, rows_offset, row_mask, V: tl.constexpr, BV: tl.constexpr):
-    """Rows ``base + rows_offset[r] + c`` for channels ``c < V``, ``[R, BV]``, masked as 0."""
-    cv = tl.arange(0, BV)
-    return tl.load(base + rows_offset[:, None] + cv[None, :],
-                   mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
-
-
-@triton.jit
-def _load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
-               BV: tl.constexpr, BT: tl.constexpr):
-    """Rows ``base + rows_offset[r] + c`` split into the value part ``[R, BV]`` and the tail part
-    ``[R, BT]`` (channels ``V .. V+T-1``; a zero dummy when ``T == 0``), masked rows as 0."""
-    head = _load_value_rows(base, rows_offset, row_mask, V, BV)
-    if T > 0:
-        ct = tl.arange(0, BT)
-        tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
-                       mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
-    else:
-        tail = tl.zeros((rows_offset.shape[0], BT), base.dtype.element_ty)
-    return head, tail
-
 
 @triton.jit
 def _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
@@ -111,20 +95,11 @@ def _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: 
 
 
 @triton.jit
-def _scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
-    """``q k^T`` over the value and tail channels, fp32 ``[rows of q, rows of k]``."""
-    sc = tl.dot(q, tl.trans(k), input_precision=PREC)
-    if T > 0:
-        sc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
-    return sc
-
-
-@triton.jit
 def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
               T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
     """One slot block of the online softmax: updated ``(m, l, acc)`` (base-2 running max)."""
-    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
-    sc = _scores(q, qt, k, kt, T, PREC) * scale_log2
+    k, kt = load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    sc = scores(q, qt, k, kt, T, PREC) * scale_log2
     sc = tl.where(valid[None, :], sc, float("-inf"))
     m_new = tl.maximum(m, tl.max(sc, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
@@ -146,7 +121,7 @@ def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
     i = t % S
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
-    q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+    q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BV], tl.float32)
@@ -172,7 +147,7 @@ def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
 @triton.jit
 def _probs(q, qt, k, kt, valid, lse2, scale_log2, T: tl.constexpr, PREC: tl.constexpr):
     """Recomputed probabilities ``P``, fp32 ``[BH, BK]`` (0 on invalid slots and empty rows)."""
-    p = tl.exp2(_scores(q, qt, k, kt, T, PREC) * scale_log2 - lse2[:, None])
+    p = tl.exp2(scores(q, qt, k, kt, T, PREC) * scale_log2 - lse2[:, None])
     return tl.where(valid[None, :], p, 0.0)
 
 
@@ -187,7 +162,7 @@ def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale
              V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
              PREC: tl.constexpr):
     """One slot block of ``dQ += dS K``: updated ``(dq, dqt)``."""
-    k, kt = _load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
+    k, kt = load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
     p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
     ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
     dq += tl.dot(ds, k, input_precision=PREC)
@@ -207,11 +182,11 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scal
     i = t % S
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
-    q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-    do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
+    q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+    do = load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
     # delta = rowsum(dO * O), also kept for the dKV kernel
-    o = _load_value_rows(O + i * so_s + bi * so_b, heads * so_h, hmask, V, BV)
+    o = load_value_rows(O + i * so_s + bi * so_b, heads * so_h, hmask, V, BV)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + (i * B + bi) * N + heads, delta, mask=hmask)
     dq = tl.zeros([BH, BV], tl.float32)
@@ -249,18 +224,18 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PART, t0, S, B
     keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
                                   HAS_QPOS)
     if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
-        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        k, kt = load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
         dk = tl.zeros([BK, BV], tl.float32)
         dkt = tl.zeros([BK, BT], tl.float32)
         for h0 in range(0, N, BH):
             heads = h0 + tl.arange(0, BH)
             hmask = heads < N
-            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-            do = _load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
+            q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            do = load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
             lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
             delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
             # transposed [BK, BH] scores, so that every product has the slots as rows
-            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            p_t = tl.exp2(scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
             p_t = tl.where(valid[:, None], p_t, 0.0)
             dp_t = tl.dot(k, tl.trans(do), input_precision=PREC)
             ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
@@ -292,13 +267,13 @@ def _slot_probs_kernel(Q, KV, IDX, KSTART, QPOS, LSE, PROBS, S, B, N, W, scale_l
                                   HAS_QPOS)
     total = tl.zeros([BK], tl.float32)
     if tl.max(valid.to(tl.int32), 0) > 0:
-        k, kt = _load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
+        k, kt = load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
         for h0 in range(0, N, BH):
             heads = h0 + tl.arange(0, BH)
             hmask = heads < N
-            q, qt = _load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+            q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
             lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
-            p_t = tl.exp2(_scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
+            p_t = tl.exp2(scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
             total += tl.sum(tl.where(valid[:, None], p_t, 0.0), 1)
     tl.store(PROBS + (bi * S + i) * W + slots, total, mask=slots < W)
 
@@ -323,10 +298,6 @@ def _dkv_reduce_kernel(PART, ORDER, SEGMENT, DKV, key0, D, BR: tl.constexpr, BD:
     tl.store(dst, tl.load(dst, mask=cmask) + acc, mask=cmask)
 
 
-def _pow2(x: int) -> int:
-    return max(16, triton.next_power_of_2(x))
-
-
 CONFIGS = {
     "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
     "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
@@ -344,10 +315,10 @@ def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
     """Constexpr and launch arguments of ``kernel``: value/tail channel blocks (powers of two
     >= 16, masked), head and slot blocks, dot precision (exact fp32 for fp32 inputs)."""
     cfg = dict(CONFIGS[kernel])
-    cfg["BH"] = min(cfg["BH"], _pow2(n))
+    cfg["BH"] = min(cfg["BH"], pow2(n))
     if dtype == torch.float32:  # fp32 dots run on CUDA cores: small tiles
         cfg.update(BH=min(cfg["BH"], 16), BK=16)
-    return dict(cfg, V=v, T=tail, BV=_pow2(v), BT=_pow2(tail),
+    return dict(cfg, V=v, T=tail, BV=pow2(v), BT=pow2(tail),
                 PREC="ieee" if dtype == torch.float32 else "tf32")
 
 
@@ -356,39 +327,49 @@ class _SparseMLATriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
                 key_start: torch.Tensor | None, query_pos: torch.Tensor | None,
-                softmax_scale: float, v_channels: int, slot_probs: bool
+                softmax_scale: float, v_channels: int, slot_probs: bool, dense: bool
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         s, b, n, d = query.shape
         w = topk_indices.size(-1)
-        out = query.new_empty(s, b, n, v_channels)
-        lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
         has_start, has_qpos = key_start is not None, query_pos is not None
         start = key_start if has_start else topk_indices  # unread dummies when absent
         qpos = query_pos if has_qpos else topk_indices
-        meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
-        _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
-            query, latent_kv, topk_indices, start, qpos, out, lse2, s, b, n, w,
-            softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
-            *topk_indices.stride()[:2], *out.stride()[:3], HAS_KSTART=has_start,
-            HAS_QPOS=has_qpos, **meta)
+        bits = None
+        if dense:
+            bits = dense_mla.selection_bits(topk_indices, key_start, query_pos, latent_kv.size(0))
+            out, lse2 = dense_mla.dense_forward(query, latent_kv, bits, key_start, query_pos,
+                                                softmax_scale, v_channels)
+        else:
+            out = query.new_empty(s, b, n, v_channels)
+            lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
+            meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
+            _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
+                query, latent_kv, topk_indices, start, qpos, out, lse2, s, b, n, w,
+                softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+                *topk_indices.stride()[:2], *out.stride()[:3], HAS_KSTART=has_start,
+                HAS_QPOS=has_qpos, **meta)
         probs = None
         if slot_probs:
             probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
             meta = _meta("dkv", n, v_channels, d - v_channels, query.dtype)
             _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
                 query, latent_kv, topk_indices, start, qpos, lse2, probs, s, b, n, w,
-                softmax_scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+                softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
                 *topk_indices.stride()[:2], HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
             ctx.mark_non_differentiable(probs)
-        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, query_pos, out, lse2)
+        ctx.save_for_backward(query, latent_kv, topk_indices, key_start, query_pos, out, lse2, bits)
         ctx.softmax_scale = softmax_scale
         ctx.v_channels = v_channels
         return out, probs
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor, _grad_probs: torch.Tensor | None):  # noqa: ANN205
-        query, latent_kv, topk_indices, key_start, query_pos, out, lse2 = ctx.saved_tensors
+        query, latent_kv, topk_indices, key_start, query_pos, out, lse2, bits = ctx.saved_tensors
         scale, v = ctx.softmax_scale, ctx.v_channels
+        if bits is not None:
+            grad_query, grad_kv = dense_mla.dense_backward(
+                query, latent_kv, bits, key_start, query_pos, out, lse2, grad_out, scale, v)
+            return grad_query, grad_kv, None, None, None, None, None, None, None
         s, b, n, d = query.shape
         s_kv = latent_kv.size(0)
         w = topk_indices.size(-1)
@@ -397,7 +378,7 @@ class _SparseMLATriton(torch.autograd.Function):
         has_start, has_qpos = key_start is not None, query_pos is not None
         start = key_start if has_start else topk_indices
         qpos = query_pos if has_qpos else topk_indices
-        common = (s, b, n, w, scale, scale * _LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
+        common = (s, b, n, w, scale, scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
                   *topk_indices.stride()[:2], *do.stride()[:3])
         grad_query = torch.empty_like(query)
         meta = _meta("dq", n, v, d - v, query.dtype)
@@ -432,14 +413,14 @@ class _SparseMLATriton(torch.autograd.Function):
             _dkv_reduce_kernel[(key_end - key0, triton.cdiv(d, 64))](
                 partial, order, segment, grad_kv, key0, d, BR=16, BD=64, num_warps=2)
         grad_kv = grad_kv.view(b, s_kv, 1, d).transpose(0, 1).to(latent_kv.dtype)
-        return grad_query, grad_kv, None, None, None, None, None, None
+        return grad_query, grad_kv, None, None, None, None, None, None, None
 
 
 def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
                       softmax_scale: float, *, v_channels: int,
                       key_start: torch.Tensor | None = None,
-                      query_pos: torch.Tensor | None = None, return_slot_probs: bool = False
-                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      query_pos: torch.Tensor | None = None, return_slot_probs: bool = False,
+                      layout: Layout = "auto") -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of ``query [s_q, b, n, d_k]`` over its selected latent keys
     ``latent_kv [s_kv, b, 1, d_k]`` (Triton).
 
@@ -452,6 +433,12 @@ def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices
     With ``return_slot_probs`` also returns, without grad, the attention probability of each slot
     summed over the heads, fp32 ``[b, s_q, W]`` (0 on ignored slots; each row sums to ``n``, or 0
     for a query without a valid key): the target of the indexer's KL loss.
+
+    ``layout`` picks the kernels: ``gather`` (this module's, work per selected key), ``dense``
+    (:mod:`kpool_layers.kernels.sparse_mla_dense_triton`, contiguous key blocks of each query
+    block's causal span masked by the selection) or ``auto``:
+    :func:`~kpool_layers.kernels.sparse_mla_dense_triton.dense_pays` for these shapes. Both are
+    deterministic; their bits differ (other summation orders).
     """
     check_layouts(query, latent_kv, topk_indices, key_start, query_pos)
     s, b, n, d = query.shape
@@ -469,9 +456,13 @@ def sparse_mla_triton(query: torch.Tensor, latent_kv: torch.Tensor, topk_indices
         raise ValueError(f"v_channels={v_channels} must be in (0, d_k={d}]")
     if not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if layout not in get_args(Layout):
+        raise ValueError(f"layout must be one of {get_args(Layout)}, got {layout!r}")
+    dense = layout == "dense" or (
+        layout == "auto" and dense_mla.dense_pays(latent_kv.size(0), topk_indices.size(2), n))
     out, probs = _SparseMLATriton.apply(
         query.contiguous(), latent_kv.contiguous(), topk_indices.contiguous(),
         None if key_start is None else key_start.contiguous(),
         None if query_pos is None else query_pos.contiguous(), softmax_scale, v_channels,
-        return_slot_probs)
+        return_slot_probs, dense)
     return (out, probs) if return_slot_probs else out

@@ -14,12 +14,14 @@ forward output and gradients are compared with the torch path's (``rel_err`` = |
 ||torch|| over out, dq, dkv, the largest) and its top-k with torch's (``topk_overlap``).
 
 Backends: ``torch`` (chunked PyTorch), ``tilelang`` (megatron-core's TileLang SparseMLA and indexer
-logits kernel; needs ``tilelang``), ``triton`` (ours), ``megatron`` (megatron-core's naive
+logits kernel; needs ``tilelang``), ``triton`` (ours, the layout ``sparse_mla_triton`` picks for the
+shape; ``triton_gather`` / ``triton_dense`` force its gather / contiguous-block kernels), ``megatron`` (megatron-core's naive
 ``fused_qk_topk_naive`` / ``_unfused_absorbed_dsa_fn``: dense [n, s, s] scores; plain DSA only).
 A backend that cannot run here is reported with its reason. Shapes (``--shape``):
 
     glm5        64 heads, latent 512 + rope 64, indexer 32 x 128, top-2048 (GLM-5 / 5.1 / 5.2)
     glm5_kpool  64 heads, NoPE latent 512, indexer 32 x 128, kpool 4 + tail, top-2048 (GLM-5.3-Flash)
+    glm5_proxy  16 heads, latent 512 + rope 64, indexer 32 x 128, top-2048 (model=glm5_proxy)
 
     python scripts/bench/attention.py --out docs/results/attention_h200.json              # H200
     python scripts/bench/attention.py --shape glm5_kpool --out docs/results/kpool_h200.json
@@ -39,7 +41,7 @@ import torch
 from kpool_layers import _cpu
 from timing import init_single_rank, measure
 
-BACKENDS = ("torch", "tilelang", "triton", "megatron")
+BACKENDS = ("torch", "tilelang", "triton", "triton_gather", "triton_dense", "megatron")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,8 @@ SHAPES = {
                   kpool=1, tail=False, chunk=1024),
     "glm5_kpool": Shape(heads=64, kv_lora=512, rope=0, index_heads=32, index_dim=128, topk=2048,
                         kpool=4, tail=True, chunk=1024),
+    "glm5_proxy": Shape(heads=16, kv_lora=512, rope=64, index_heads=32, index_dim=128, topk=2048,
+                        kpool=1, tail=False, chunk=1024),
 }
 SMALL = Shape(heads=4, kv_lora=32, rope=16, index_heads=4, index_dim=16, topk=32, kpool=1,
               tail=False, chunk=64)
@@ -82,11 +86,12 @@ def _sparse_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
         kernel = megatron_sparse_mla()
         return lambda q, kv, idx, scale: sparse_mla_tilelang(
             q, kv, idx, scale, v_channels=shape.kv_lora, key_start=None, kernel=kernel)
-    if backend == "triton":
+    if backend.startswith("triton"):
         from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
+        layout = backend.removeprefix("triton").removeprefix("_") or "auto"
         return lambda q, kv, idx, scale: sparse_mla_triton(q, kv, idx, scale,
-                                                           v_channels=shape.kv_lora)
+                                                           v_channels=shape.kv_lora, layout=layout)
     from megatron.core.transformer.experimental_attention_variant.dsa import (
         _unfused_absorbed_dsa_fn,
     )
@@ -116,7 +121,7 @@ def _topk_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
         return naive
     from kpool_layers.dsa_kernels import range_topk_kernel
 
-    kernel = range_topk_kernel(backend, shape.chunk if backend == "torch" else 4096)
+    kernel = range_topk_kernel(backend.split("_")[0], shape.chunk if backend == "torch" else 4096)
     return lambda q, keys, weights, lo, hi, topk: kernel(q, keys, weights, lo, hi, topk=topk,
                                                          relu=True)
 
@@ -234,23 +239,23 @@ def _compare(backend: str, sparse: Callable[..., torch.Tensor], topk: Callable[.
 
 
 def print_table(rows: list[dict[str, Any]], backends: list[str]) -> None:
-    print(f"{'s':>6} {'backend':>9} | {'topk ms':>8} | {'fwd ms':>8} {'TF/s':>6} | "
+    print(f"{'s':>6} {'backend':>13} | {'topk ms':>8} | {'fwd ms':>8} {'TF/s':>6} | "
           f"{'fwdbwd ms':>9} {'TF/s':>6} {'MiB':>7} | {'rel_err':>8} det")
     for row in rows:
         fl = row["floor"]
-        print(f"{row['s']:>6} {'floor':>9} | {'':>8} | {fl['fwd_ms']:>8.2f} {'':>6} | "
+        print(f"{row['s']:>6} {'floor':>13} | {'':>8} | {fl['fwd_ms']:>8.2f} {'':>6} | "
               f"{fl['fwdbwd_ms']:>9.2f}")
         for b in backends:
             r = row[b]
             if "error" in r:
-                print(f"{row['s']:>6} {b:>9} | {r['error'][:90]}")
+                print(f"{row['s']:>6} {b:>13} | {r['error'][:90]}")
                 continue
 
             def f(key: str, fmt: str) -> str:
                 v = r.get(key)
                 return format(v, fmt) if v is not None else "-"
 
-            print(f"{row['s']:>6} {b:>9} | {f('topk_ms', '8.2f'):>8} | {f('fwd_ms', '8.2f'):>8} "
+            print(f"{row['s']:>6} {b:>13} | {f('topk_ms', '8.2f'):>8} | {f('fwd_ms', '8.2f'):>8} "
                   f"{f('fwd_tflops', '6.0f'):>6} | {f('fwdbwd_ms', '9.2f'):>9} "
                   f"{f('fwdbwd_tflops', '6.0f'):>6} {f('fwdbwd_peak_mib', '7.0f'):>7} | "
                   f"{f('rel_err', '8.1e'):>8} {r.get('bitwise_deterministic', '-')}")

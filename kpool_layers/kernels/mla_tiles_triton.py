@@ -1,0 +1,49 @@
+"""Tile helpers shared by the Triton sparse-MLA kernels (:mod:`.sparse_mla_triton`, gathered key
+rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): row loads split into the value
+and tail (rope) channels, and the scores over both."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+"""``log2(e)``: the kernels' softmax runs in base 2 (``exp2``)."""
+
+
+@triton.jit
+def load_value_rows(base, rows_offset, row_mask, V: tl.constexpr, BV: tl.constexpr):
+    """Rows ``base + rows_offset[r] + c`` for channels ``c < V``, ``[R, BV]``, masked as 0."""
+    cv = tl.arange(0, BV)
+    return tl.load(base + rows_offset[:, None] + cv[None, :],
+                   mask=row_mask[:, None] & (cv[None, :] < V), other=0.0)
+
+
+@triton.jit
+def load_rows(base, rows_offset, row_mask, V: tl.constexpr, T: tl.constexpr,
+              BV: tl.constexpr, BT: tl.constexpr):
+    """Rows ``base + rows_offset[r] + c`` split into the value part ``[R, BV]`` and the tail part
+    ``[R, BT]`` (channels ``V .. V+T-1``; a zero dummy when ``T == 0``), masked rows as 0."""
+    head = load_value_rows(base, rows_offset, row_mask, V, BV)
+    if T > 0:
+        ct = tl.arange(0, BT)
+        tail = tl.load(base + rows_offset[:, None] + V + ct[None, :],
+                       mask=row_mask[:, None] & (ct[None, :] < T), other=0.0)
+    else:
+        tail = tl.zeros((rows_offset.shape[0], BT), base.dtype.element_ty)
+    return head, tail
+
+
+@triton.jit
+def scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
+    """``q k^T`` over the value and tail channels, fp32 ``[rows of q, rows of k]``."""
+    sc = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if T > 0:
+        sc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
+    return sc
+
+
+def pow2(x: int) -> int:
+    """The channel / head block for ``x``: the next power of two, at least 16 (``tl.dot``'s
+    smallest tile)."""
+    return max(16, triton.next_power_of_2(x))
