@@ -2,9 +2,17 @@
 
 :class:`GroupedExperts` is a drop-in for megatron's ``SequentialMLP`` (same constructor and
 ``forward`` interface, used with megatron's router and token dispatcher, EP and expert-TP as
-megatron shards them) whose local experts run as two grouped GEMMs instead of one MLP each:
-``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on releases without the public name) on
-CUDA, a per-expert loop of ``x_e @ w_e.T`` elsewhere (CPU tests), same results up to summation order.
+megatron shards them) whose local experts run as two grouped GEMMs instead of one MLP each
+(:mod:`kpool_layers.grouped_gemm`): ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on
+releases without the public name) on CUDA, a per-expert loop of ``x_e @ w_e.T`` elsewhere (CPU
+tests), same results up to summation order.
+
+Precision: the two GEMMs are the roles ``moe.expert_fc1`` / ``moe.expert_fc2`` of the run's policy
+(``config.precision``; :attr:`GroupedExperts.numerics`). Under ``precision.fp8`` they compute what
+``SequentialMLP``'s role-tagged per-expert linears compute: on CUDA with the ``torch`` backend one
+FP8 grouped GEMM per projection (recipes ``blockwise`` and ``rowwise``; ``tensorwise`` is refused at
+the build), on the CPU / ``emulate`` backend the per-expert FP8 GEMM in a loop (bit-equal to
+``SequentialMLP``).
 
 Layouts (``E`` local experts, ``H`` hidden size, ``F`` = ``moe_ffn_hidden_size`` / expert-TP size,
 ``G`` = 2 for SwiGLU else 1, ``T`` tokens routed to this rank's experts, sorted by expert):
@@ -27,7 +35,7 @@ resuming an optimizer state across the two is refused (:func:`check_resumable_ex
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
@@ -39,27 +47,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-from kpool_layers.precision import Role
-
-_GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-"""``grouped_mm(a [T, K], b [E, K, N], offs=int32 [E]) -> [T, N]`` (public name from torch 2.10)."""
+from kpool_layers.grouped_gemm import FP8_RECIPES, expert_linear, supports_policy
+from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
 
 _FC = ("linear_fc1", "linear_fc2")
-
-
-def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """``x [T, K]`` (rows grouped by expert, ``tokens_per_expert [E]`` rows each, in order) and
-    ``w [E, N, K]`` -> ``[T, N]`` whose rows of group ``e`` are ``x_e @ w[e].T``.
-
-    ``kernel``: one ``grouped_mm`` (``w`` passed transposed, column-major, as the kernel accepts;
-    row strides of ``x``/``w`` must be multiples of 16 bytes); else a loop over the experts (any
-    device and dtype; reads ``tokens_per_expert`` on the host). An expert without tokens
-    contributes no rows, and a zero gradient to its weights."""
-    if kernel:
-        offs = tokens_per_expert.to(device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return _GROUPED_MM(x, w.transpose(1, 2), offs=offs)
-    counts = tokens_per_expert.tolist()
-    return torch.cat([x_e @ w_e.t() for x_e, w_e in zip(torch.split(x, counts), w.unbind(0))])
 
 
 class GroupedExperts(MegatronModule):
@@ -100,6 +91,12 @@ class GroupedExperts(MegatronModule):
             weight.allreduce = not expert_groups
         if config.perform_initialization and self.weight1.device.type != "meta":
             self._init_like_sequential(config)
+        policy = getattr(config, "precision", None) or PrecisionPolicy()  # GLMTransformerConfig's policy
+        self.numerics: dict[str, LinearNumerics] = {
+            "weight1": LinearNumerics(policy, Role.MOE_EXPERT_FC1),
+            "weight2": LinearNumerics(policy, Role.MOE_EXPERT_FC2),
+        }
+        """The numerics of each stacked weight's GEMM (read by the precision map)."""
         self.register_state_dict_post_hook(_per_expert_state_dict)
         self.register_load_state_dict_pre_hook(_stacked_state_dict)
 
@@ -133,14 +130,14 @@ class GroupedExperts(MegatronModule):
         then times the probability, cast back to ``x``'s dtype, then fc2)."""
         x = permuted_local_hidden_states
         kernel = self._kernel(x)
-        h = grouped_linear(x, self.weight1, tokens_per_expert, kernel)
+        h = expert_linear(x, self.weight1, tokens_per_expert, self.numerics["weight1"], kernel)
         if self.glu == 2:
             gate, up = torch.chunk(h, 2, dim=-1)
             h = self.config.activation_func(gate) * up
         else:
             h = self.config.activation_func(h)
         h = (h * permuted_probs.unsqueeze(-1)).to(x.dtype)
-        return grouped_linear(h, self.weight2, tokens_per_expert, kernel), None
+        return expert_linear(h, self.weight2, tokens_per_expert, self.numerics["weight2"], kernel), None
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the regular backward (no delayed wgrad)."""
@@ -216,11 +213,12 @@ def _check_supported(config: TransformerConfig) -> None:
         "fp8 (Transformer Engine)": bool(config.fp8),
     }
     policy = getattr(config, "precision", None)  # the run's PrecisionPolicy (GLMTransformerConfig)
-    if policy is not None and (policy.quantized(Role.MOE_EXPERT_FC1) or policy.quantized(Role.MOE_EXPERT_FC2)):
+    if policy is not None and not supports_policy(policy):
         raise ValueError(
-            "precision.fp8=true quantizes the routed experts (moe.expert_fc1/fc2), which grouped experts "
-            "(model.moe_grouped_gemm=true) do not support; set model.moe_grouped_gemm=false or leave it "
-            "null (auto picks per-expert linears with FP8)"
+            f"precision.recipe={policy.recipe.value!r} with precision.fp8=true quantizes the routed experts "
+            f"(moe.expert_fc1/fc2) with one activation scale per expert, which grouped experts "
+            f"(model.moe_grouped_gemm=true) do not support; allowed: {[r.value for r in FP8_RECIPES]}, or set "
+            "model.moe_grouped_gemm=false or leave it null (auto picks per-expert linears for this recipe)"
         )
     used = sorted(k for k, v in unsupported.items() if v)
     if used:

@@ -13,8 +13,8 @@ Precision roles are decided here, by the spec: every linear of the MLP, the rout
 (``SequentialMLP`` builds its experts from the ``MLPSubmodules`` given), the shared expert and the
 router is a role-tagged class of :mod:`kpool_layers.linears` (``mlp.fc1/fc2``,
 ``moe.expert_fc1/fc2``, ``moe.shared_fc1/fc2``, ``moe.router``); the attention's roles come from
-``kpool_layers.attention.glm_attention_spec``. ``GroupedExperts`` has no linears (FP8 experts are
-refused at its build).
+``kpool_layers.attention.glm_attention_spec``. ``GroupedExperts`` has no linears: it computes the
+``moe.expert_fc1/fc2`` roles of ``config.precision`` itself (``kpool_layers.grouped_gemm``).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from kpool_layers import dsa_kernels, model_facts
 from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.grouped_gemm import supports_policy
 from kpool_layers.precision import DType, PrecisionPolicy
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
@@ -40,12 +41,13 @@ def sequence_parallel(parallelism: Any) -> bool:
     return parallelism.tensor_model_parallel_size > 1 if sp is None else bool(sp)
 
 
-def grouped_experts(model_grouped_gemm: bool | None, fp8: bool, on_gpu: bool) -> bool:
+def grouped_experts(model_grouped_gemm: bool | None, policy: PrecisionPolicy, on_gpu: bool) -> bool:
     """``model.moe_grouped_gemm``, where null (auto) means grouped-GEMM experts
-    (``kpool_layers.grouped_experts``) exactly on GPUs without ``precision.fp8``: FP8 experts are
-    routed per expert linear (``SequentialMLP``), and on the CPU the grouped module loops anyway."""
+    (``kpool_layers.grouped_experts``) exactly on GPUs when they compute ``policy``'s expert roles
+    (bf16, or FP8 with a recipe of ``kpool_layers.grouped_gemm.FP8_RECIPES``; FP8 tensorwise is
+    routed per expert linear, ``SequentialMLP``); on the CPU the grouped module loops anyway."""
     if model_grouped_gemm is None:
-        return on_gpu and not fp8
+        return on_gpu and supports_policy(policy)
     return bool(model_grouped_gemm)
 
 
@@ -79,7 +81,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         # MoE layer pattern and router precision (GLM-5 routes in FP32).
         moe_layer_freq=moe_layer_freq,
         moe_router_dtype="fp32" if experts else None,
-        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], policy.fp8, on_gpu),
+        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], policy, on_gpu),
         mtp_num_layers=model["mtp_num_layers"] or None,
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,

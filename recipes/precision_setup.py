@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from megatron.core.tensor_parallel.layers import (
@@ -40,8 +40,9 @@ from megatron.core.transformer.moe.router import TopKRouter
 from omegaconf import OmegaConf
 
 from kpool_layers.core_attention import SparseMLACore
+from kpool_layers.grouped_experts import GroupedExperts
 from kpool_layers.indexer import DSAIndexer
-from kpool_layers.precision import PrecisionPolicy, resolve_backend
+from kpool_layers.precision import LinearNumerics, PrecisionPolicy, resolve_backend
 from recipes.schema import PrecisionConfig
 
 PROFILES_DIR = Path(__file__).resolve().parent / "conf" / "precision"
@@ -65,30 +66,33 @@ def _strip(name: str) -> str:
     return name
 
 
+def _row(module: str, numerics: Optional[LinearNumerics], weight_dtype: torch.dtype, backend: str) -> dict[str, Any]:
+    """The map's row of the GEMM of a weight of ``weight_dtype`` with ``numerics`` (None: no role)."""
+    quantized = numerics is not None and numerics.quantized
+    return {
+        "module": _strip(module),
+        "role": numerics.role.value if numerics else None,
+        "quantized": quantized,
+        "dtype": str(numerics.dtype(weight_dtype) if numerics else weight_dtype).removeprefix("torch."),
+        "backend": backend if quantized else "none",
+        "note": numerics.note if numerics else NO_ROLE_NOTE,
+    }
+
+
 def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]:
     """The precision map: one row per linear-like module of ``model`` (parallel linears,
-    ``nn.Linear``, embedding, router) with ``module`` (wrapper prefixes removed), ``role`` (or
+    ``nn.Linear``, embedding, router) and per stacked weight of grouped experts
+    (``<experts>.weight1`` / ``.weight2``) with ``module`` (wrapper prefixes removed), ``role`` (or
     None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
     rows, else ``"none"``) and ``note`` (why the linear's forward does not compute its role, else
     None), from the module's ``role`` and ``numerics``."""
     rows = []
     for name, module in model.named_modules():
-        if not isinstance(module, _LINEAR_TYPES):
-            continue
-        role = getattr(module, "role", None)
-        if role is None:
-            quantized, dtype, note = False, module.weight.dtype, NO_ROLE_NOTE
-        else:
-            numerics = module.numerics
-            quantized, dtype, note = numerics.quantized, numerics.dtype(module.weight.dtype), numerics.note
-        rows.append({
-            "module": _strip(name),
-            "role": role.value if role else None,
-            "quantized": quantized,
-            "dtype": str(dtype).removeprefix("torch."),
-            "backend": backend if quantized else "none",
-            "note": note,
-        })
+        if isinstance(module, GroupedExperts):
+            rows += [_row(f"{name}.{weight}", numerics, getattr(module, weight).dtype, backend)
+                     for weight, numerics in module.numerics.items()]
+        elif isinstance(module, _LINEAR_TYPES):
+            rows.append(_row(name, getattr(module, "numerics", None), module.weight.dtype, backend))
     return rows
 
 

@@ -28,6 +28,7 @@ from hydra.core.config_store import ConfigStore
 
 from kpool_layers import model_facts
 from kpool_layers.dsa_kernels import Backend as DsaKernels
+from kpool_layers.grouped_gemm import FP8_RECIPES
 from kpool_layers.precision import PrecisionPolicy, available_backends
 
 
@@ -524,8 +525,10 @@ def _validate_precision(cfg: Any) -> None:
             usable = [b.value for b in available_backends()]
             _require(backend == "auto" or backend in usable, "precision.backend", backend,
                      f"auto or one available here: {usable}")
-        _require(not (m.num_moe_experts and m.moe_grouped_gemm), "model.moe_grouped_gemm", True,
-                 "false with precision.fp8=true (FP8 routing needs per-expert linears, SequentialMLP)")
+        _require(not (m.num_moe_experts and m.moe_grouped_gemm and _value(pr.recipe) not in FP8_RECIPES),
+                 "model.moe_grouped_gemm", True,
+                 f"false with precision.fp8=true and precision.recipe={_value(pr.recipe)} (grouped FP8 experts "
+                 f"run precision.recipe in {[r.value for r in FP8_RECIPES]})")
     if (pr.fp8 and _value(pr.dsa_indexer_weights_proj_dtype) == "fp32"
             and not pr.dsa_indexer_weights_proj_disable_quantization):
         _fail(ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,

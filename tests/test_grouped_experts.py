@@ -1,7 +1,8 @@
 """Grouped experts (``kpool_layers.grouped_experts``) against megatron's ``SequentialMLP``: output
 and every gradient with the same weights (experts without tokens included), the grouped GEMM
 against a per-expert loop, checkpoint layout and loading both ways, the whole model through
-megatron's router and dispatcher, FP8 refusal and the ``auto`` choice.
+megatron's router and dispatcher, the FP8 recipes refused and the ``auto`` choice (FP8 numerics:
+``tests/test_grouped_experts_fp8.py``).
 
 Tolerances (FP32, unit roundoff ``u = 2**-24``): a length-``K`` dot product summed in two orders
 differs by at most ``2 * gamma_K * sum|a_i b_i|`` with ``gamma_K = K u / (1 - K u)`` (Higham,
@@ -21,8 +22,9 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from kpool_layers import grouped_experts as ge
-from kpool_layers.grouped_experts import GroupedExperts, grouped_linear
+from kpool_layers import grouped_gemm
+from kpool_layers.grouped_experts import GroupedExperts
+from kpool_layers.grouped_gemm import grouped_linear
 from kpool_layers.precision import PrecisionPolicy
 
 U = 2.0**-24
@@ -312,27 +314,33 @@ def test_unsupported_expert_features_are_named(single_rank_parallel_state):
         GroupedExperts(2, config(add_bias_linear=True), pg_collection=get_default_pg_collection())
 
 
-def test_fp8_expert_quantization_is_refused_naming_the_key(single_rank_parallel_state):
+def test_fp8_tensorwise_experts_are_refused_naming_the_key(single_rank_parallel_state):
     cfg = config()
-    cfg.precision = PrecisionPolicy(fp8=True, backend="emulate")
-    with pytest.raises(ValueError, match=r"precision\.fp8=true.*model\.moe_grouped_gemm=false"):
+    cfg.precision = PrecisionPolicy(fp8=True, recipe="tensorwise", backend="emulate")
+    with pytest.raises(ValueError, match=r"precision\.recipe='tensorwise'.*allowed: \['blockwise', 'rowwise'\]"
+                                         r".*model\.moe_grouped_gemm=false"):
         GroupedExperts(2, cfg, pg_collection=get_default_pg_collection())
-    cfg.precision = PrecisionPolicy()
-    GroupedExperts(2, cfg, pg_collection=get_default_pg_collection())  # no FP8: fine
+    for policy in (PrecisionPolicy(), PrecisionPolicy(fp8=True, backend="emulate"),
+                   PrecisionPolicy(fp8=True, recipe="rowwise", backend="emulate")):
+        cfg.precision = policy
+        GroupedExperts(2, cfg, pg_collection=get_default_pg_collection())  # bf16, FP8 blockwise / rowwise: fine
 
 
-def test_auto_choice_is_gpu_without_fp8():
+def test_auto_choice_is_gpu_with_the_supported_recipes():
     from recipes.megatron_config import grouped_experts
 
-    assert grouped_experts(None, fp8=False, on_gpu=True)
-    assert not grouped_experts(None, fp8=True, on_gpu=True)
-    assert not grouped_experts(None, fp8=False, on_gpu=False)
-    assert grouped_experts(True, fp8=False, on_gpu=False) and not grouped_experts(False, fp8=False, on_gpu=True)
+    bf16, fp8_blockwise = PrecisionPolicy(), PrecisionPolicy(fp8=True)
+    fp8_rowwise = PrecisionPolicy(fp8=True, recipe="rowwise")
+    fp8_tensorwise = PrecisionPolicy(fp8=True, recipe="tensorwise")
+    assert all(grouped_experts(None, p, on_gpu=True) for p in (bf16, fp8_blockwise, fp8_rowwise))
+    assert not grouped_experts(None, fp8_tensorwise, on_gpu=True)
+    assert not grouped_experts(None, bf16, on_gpu=False) and not grouped_experts(None, fp8_blockwise, on_gpu=False)
+    assert grouped_experts(True, bf16, on_gpu=False) and not grouped_experts(False, bf16, on_gpu=True)
 
 
 def test_module_uses_the_public_grouped_mm_name_when_present():
     expected = getattr(F, "grouped_mm", None) or torch._grouped_mm
-    assert ge._GROUPED_MM is expected
+    assert grouped_gemm._GROUPED_MM is expected
 
 
 def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parallel_state, tmp_path):
@@ -363,6 +371,23 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
     assert not any(isinstance(m, GroupedExperts) for m in models[False].modules())
     dist_checkpointing.save({"model": models[False].sharded_state_dict()}, str(tmp_path))
     load_weights(tmp_path, models[True])
+    logits, grads = tiny_logits_and_grads(models)
+    scale = float(logits[False].abs().max())
+    # The CPU loop runs the same per-expert GEMMs as SequentialMLP (observed bit-equal); 1e-5 of the
+    # magnitude leaves room for a BLAS blocking them differently (per-module bounds: tests above).
+    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * scale
+    for name, got, ref in grads:
+        if ref is None or got is None:  # parameters outside the loss (e.g. the router's bias)
+            assert ref is None and got is None, name
+            continue
+        assert (got - ref).abs().max() <= 1e-5 * float(ref.abs().max()) + 1e-30, name
+
+
+def tiny_logits_and_grads(models: dict[bool, torch.nn.Module]) -> tuple[dict[bool, torch.Tensor], list[tuple]]:
+    """glm5_tiny models with sequential (``False``) and grouped (``True``) experts on the same
+    tokens, backward of the mean squared logits: each model's logits, and per parameter of the
+    grouped model ``(name, its gradient, the sequential model's)``, the stacked expert gradients
+    against ``SequentialMLP``'s per-expert ones stacked."""
     tokens = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(32).expand(2, -1)
     logits = {}
@@ -370,11 +395,8 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
         out = model(tokens, positions, None)
         out.float().square().mean().backward()
         logits[grouped] = out.detach()
-    scale = float(logits[False].abs().max())
-    # The CPU loop runs the same per-expert GEMMs as SequentialMLP (observed bit-equal); 1e-5 of the
-    # magnitude leaves room for a BLAS blocking them differently (per-module bounds: tests above).
-    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * scale
     seq_grads = {n: p.grad for n, p in models[False].named_parameters()}
+    grads = []
     for name, p in models[True].named_parameters():
         if name.endswith(("experts.weight1", "experts.weight2")):
             fc = "linear_fc1" if name.endswith("1") else "linear_fc2"
@@ -382,10 +404,8 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
             ref = torch.stack([seq_grads[f"{base}.local_experts.{e}.{fc}.weight"] for e in range(p.shape[0])])
         else:
             ref = seq_grads[name]
-        if ref is None or p.grad is None:  # parameters outside the loss (e.g. the router's bias)
-            assert ref is None and p.grad is None, name
-            continue
-        assert (p.grad - ref).abs().max() <= 1e-5 * float(ref.abs().max()) + 1e-30, name
+        grads.append((name, p.grad, ref))
+    return logits, grads
 
 
 def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):

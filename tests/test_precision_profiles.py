@@ -192,7 +192,7 @@ def test_kpool_drift_reports_pool_overlap(single_rank_parallel_state):
     "overrides,key",
     [
         (["precision=fp8", "precision.backend=torch"], "precision.backend"),
-        (["precision=fp8", "model.moe_grouped_gemm=true"], "model.moe_grouped_gemm"),
+        (["precision=fp8", "precision.recipe=tensorwise", "model.moe_grouped_gemm=true"], "model.moe_grouped_gemm"),
         (["precision=fp8", "precision.dsa_indexer_weights_proj_dtype=fp32"],
          "precision.dsa_indexer_weights_proj_disable_quantization"),
         (["precision=serving_match", "model.dsa_indexer_head_dim=96", "model.dsa_indexer_rotate_activation=false"],

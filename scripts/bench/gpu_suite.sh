@@ -30,7 +30,7 @@ for part in $parts; do
                run bench_attention_kpool 240 "$py" scripts/bench/attention.py --shape glm5_kpool \
                  --backends torch tilelang triton --repeats 3 --out "$out/kpool_h200.json" ;;
     kpool) run bench_kpool 300 "$py" scripts/bench/kpool.py --kernels torch triton --seq 16384 --out "$out/kpool.json" ;;
-    moe) run bench_moe 120 "$py" scripts/bench/moe_experts.py --out "$out/moe.json" ;;
+    moe) run bench_moe 240 "$py" scripts/bench/moe_experts.py --out "$out/moe.json" ;;
     proxy) for p in bf16 fp8 serving_match; do
              run "proxy_$p" 150 "$py" scripts/bench/profile_step.py experiment=glm5_proxy_h200 \
                precision=$p train.global_batch_size=2 --steps 2 --out "$out/proxy_$p.json"

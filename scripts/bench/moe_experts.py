@@ -1,11 +1,18 @@
-"""Benchmark routed experts (megatron ``SequentialMLP`` vs ``kpool_layers.grouped_experts``) and
-FP8 operand quantization (reference ``kpool_layers.fp8.quantize`` vs the fused Triton kernel).
+"""Benchmark routed experts (megatron ``SequentialMLP`` vs ``kpool_layers.grouped_experts``, bf16
+and FP8) and FP8 operand quantization (reference ``kpool_layers.fp8.quantize`` vs the fused Triton
+kernel).
 
 Experts, glm5_proxy's expert shape: 16 experts, hidden 2048, SwiGLU ffn 1024, 32,768 routed tokens
 (the dispatcher's output ``x [T, H]`` sorted by expert, ``tokens_per_expert`` on the host as
-megatron's allgather dispatcher gives it), bf16; forward + backward (grads of ``x``, the router
-probabilities and every weight). Two routings: ``balanced`` (2,048 tokens each) and ``skewed``
-(geometric counts, the last expert empty). ``max_rel_diff`` compares the two outputs.
+megatron's allgather dispatcher gives it), bf16 activations; forward + backward (grads of ``x``, the
+router probabilities and every weight). Two routings: ``balanced`` (2,048 tokens each) and
+``skewed`` (geometric counts, the last expert empty). Part ``experts``: bf16 ``SequentialMLP`` vs
+``GroupedExperts``. Part ``experts_fp8``, the fp8 profile's expert numerics (blockwise, ue8m0,
+``torch`` backend): ``SequentialMLP`` with FP8 role linears (per expert: two fused quantizations
+and one ``F.scaled_mm`` per projection) vs FP8 ``GroupedExperts`` (one quantization per operand
+and one FP8 grouped GEMM per projection), with bf16 ``GroupedExperts`` beside them.
+``max_rel_diff`` compares each path's output with the first path's of its case
+(max |difference| / max |first|).
 
 Quantization: one ``[8192, 2048]`` bf16 operand per recipe (blockwise 1x128 activation and 128x128
 weight, rowwise, tensorwise), ue8m0 scales; ``bytes_equal`` checks the fused kernel against the
@@ -31,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from kpool_layers import fp8  # noqa: E402
 from kpool_layers.grouped_experts import GroupedExperts  # noqa: E402
+from kpool_layers.precision import PrecisionPolicy, Role  # noqa: E402
 
 EXPERTS, HIDDEN, FFN, TOKENS, TOPK = 16, 2048, 1024, 32768, 4
 QUANT_SHAPE = (8192, 2048)
@@ -52,14 +60,18 @@ def routings() -> dict[str, torch.Tensor]:
     return {"balanced": balanced, "skewed": torch.cat([skewed, torch.zeros(1, dtype=torch.long)])}
 
 
-def build_experts() -> tuple[torch.nn.Module, GroupedExperts]:
-    """megatron's ``SequentialMLP`` and our ``GroupedExperts`` (bf16, CUDA) with the same weights."""
+def build_experts(policy: PrecisionPolicy | None = None) -> tuple[torch.nn.Module, GroupedExperts]:
+    """megatron's ``SequentialMLP`` and our ``GroupedExperts`` (bf16, CUDA) with the same weights.
+    With ``policy`` the expert GEMMs follow it (``config.precision``): ``SequentialMLP``'s linears
+    are the role-tagged ``moe.expert_fc1/fc2`` linears ``kpool_layers.spec`` builds."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
 
     model_parallel_cuda_manual_seed(1234)
     cfg = TransformerConfig(
@@ -68,36 +80,55 @@ def build_experts() -> tuple[torch.nn.Module, GroupedExperts]:
         activation_func=F.silu, add_bias_linear=False, bias_activation_fusion=False,
         gradient_accumulation_fusion=False, bf16=True, params_dtype=torch.bfloat16,
     )
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    if policy is not None:
+        cfg.precision = policy
+        linears = MLPSubmodules(linear_fc1=role_builder(RoleColumnParallelLinear, Role.MOE_EXPERT_FC1),
+                                linear_fc2=role_builder(RoleRowParallelLinear, Role.MOE_EXPERT_FC2))
     pgs = get_default_pg_collection()
-    sequential = SequentialMLP(EXPERTS, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                                           linear_fc2=RowParallelLinear), pg_collection=pgs)
+    sequential = SequentialMLP(EXPERTS, cfg, linears, pg_collection=pgs)
     grouped = GroupedExperts(EXPERTS, cfg, pg_collection=pgs)
     grouped.load_state_dict(sequential.state_dict())
     return sequential, grouped
 
 
-def bench_experts() -> list[dict[str, Any]]:
-    sequential, grouped = build_experts()
+def bench_modules(part: str, modules: dict[str, torch.nn.Module]) -> list[dict[str, Any]]:
+    """Forward + backward of each module (same weights) on both routings; ``max_rel_diff`` of each
+    output against the first module's."""
     torch.manual_seed(0)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs = torch.rand(TOKENS, device="cuda", requires_grad=True)
     grad = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
     rows = []
     for routing, counts in routings().items():
-        outputs = {}
-        for name, module in (("sequential", sequential), ("grouped", grouped)):
+        first = None
+        for name, module in modules.items():
             def step(module: torch.nn.Module = module) -> None:
                 module(x, counts, probs)[0].backward(grad)
 
             params = list(module.parameters())
             ms = do_bench(step, grad_to_none=[x, probs, *params])
             with torch.no_grad():
-                outputs[name] = module(x, counts, probs)[0].float()
-            rows.append({"part": "experts", "case": routing, "path": name, "ms": ms})
-        diff = float((outputs["grouped"] - outputs["sequential"]).abs().max() / outputs["sequential"].abs().max())
-        for row in rows[-2:]:
-            row["max_rel_diff"] = diff
+                out = module(x, counts, probs)[0].float()
+            first = out if first is None else first
+            diff = float((out - first).abs().max() / first.abs().max())
+            rows.append({"part": part, "case": routing, "path": name, "ms": ms, "max_rel_diff": diff})
     return rows
+
+
+def bench_experts() -> list[dict[str, Any]]:
+    sequential, grouped = build_experts()
+    return bench_modules("experts", {"sequential": sequential, "grouped": grouped})
+
+
+def bench_experts_fp8() -> list[dict[str, Any]]:
+    """The fp8 profile's routed experts: ``SequentialMLP`` with FP8 role linears vs FP8
+    ``GroupedExperts``, and bf16 ``GroupedExperts`` with the same weights."""
+    sequential, grouped = build_experts(PrecisionPolicy(name="fp8", fp8=True, backend="torch"))
+    _, grouped_bf16 = build_experts()
+    grouped_bf16.load_state_dict(grouped.state_dict())
+    return bench_modules("experts_fp8", {"sequential fp8": sequential, "grouped fp8": grouped,
+                                         "grouped bf16": grouped_bf16})
 
 
 def bench_quantization() -> list[dict[str, Any]]:
@@ -119,7 +150,7 @@ def bench_quantization() -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """Markdown table with the speed-up of the second path of each case over the first."""
+    """Markdown table with the speed-up of every later path of each case over its first."""
     lines = ["| part | case | path | ms | speed-up | check |", "|---|---|---|---|---|---|"]
     first: dict[tuple[str, str], float] = {}
     for r in rows:
@@ -143,7 +174,7 @@ def main() -> None:
     from timing import init_single_rank
 
     init_single_rank(args.port)
-    rows = bench_experts() + bench_quantization()
+    rows = bench_experts() + bench_experts_fp8() + bench_quantization()
     print(table(rows))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "shape": {
