@@ -243,7 +243,10 @@ def test_fp8_grouped_gemm_kernel_on_gpu_against_reference_and_scaled_mm():
     from kpool_layers.precision import _scaled_mm
 
     check_kernel("cuda", torch.bfloat16, 2.0**-13, 2.0**-9)
-    for recipe in ("blockwise", "rowwise"):
+    # Per-expert ``_scaled_mm`` at this case's K = 320 only for blockwise (operands padded to 128):
+    # cuBLASLt refuses rowwise scaling there (CUBLAS_STATUS_NOT_SUPPORTED on the H200, measured);
+    # rowwise is compared with the per-expert GEMMs at K = 384 in the test below.
+    for recipe in ("blockwise",):
         xq, xs, wq, ws, counts, ref, absprod = kernel_case("cuda", recipe)
         out = kernel(xq, xs, wq, ws, counts).double().cpu()
         starts = [0, *torch.cumsum(counts, 0).tolist()]
