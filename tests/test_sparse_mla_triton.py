@@ -58,10 +58,10 @@ def slot_probs_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: tor
 
 def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
              thd: bool = False, empty_rows: tuple[int, ...] = (), partial_rows: int = 0,
-             dkv_programs: int = 0, seed: int = 0, layout: str = "gather") -> dict:
+             chunk_tokens: int = 0, seed: int = 0, layout: str = "gather") -> dict:
     """Triton (``layout``'s kernels) vs reference errors of out, dq, dkv (and determinism,
-    empty-row zeros). ``partial_rows``: the gather layout's key-gradient chunk; ``dkv_programs``:
-    the dense layout's dKV program target (1: a single split, written in the input dtype)."""
+    empty-row zeros). ``partial_rows``: the gather layout's key-gradient chunk; ``chunk_tokens``:
+    the dense layout's backward query chunk (through its buffer budget)."""
     from kpool_layers.kernels import sparse_mla_dense_triton as dense
     from kpool_layers.kernels import sparse_mla_triton as smla
 
@@ -77,7 +77,7 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
         key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
     grad_out = torch.randn(s, b, n, v, generator=gen).to(dt)
     scale = d ** -0.5
-    budget, programs = smla.PARTIAL_BUFFER_BYTES, dense.DKV_TARGET_PROGRAMS
+    budget, dense_budget = smla.PARTIAL_BUFFER_BYTES, dense.DS_BUFFER_BYTES
 
     def triton_run() -> list[torch.Tensor]:
         out = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start,
@@ -87,11 +87,11 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
     try:
         if partial_rows:  # several query chunks in the key-gradient reduction
             smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
-        if dkv_programs:
-            dense.DKV_TARGET_PROGRAMS = dkv_programs
+        if chunk_tokens:  # P and dS of chunk_tokens queries x n heads x s keys, 2 bytes each
+            dense.DS_BUFFER_BYTES = chunk_tokens * n * s * 2 * query.element_size()
         got, again = triton_run(), triton_run()
     finally:
-        smla.PARTIAL_BUFFER_BYTES, dense.DKV_TARGET_PROGRAMS = budget, programs
+        smla.PARTIAL_BUFFER_BYTES, dense.DS_BUFFER_BYTES = budget, dense_budget
     ref_out = sparse_mla_attention(query, latent, topk, scale, v_channels=v, chunk_size=7,
                                    key_start=key_start)
     ref = [ref_out, *torch.autograd.grad(ref_out, (query, latent), grad_out)]
@@ -190,7 +190,7 @@ CASES = {
                              {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
     "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
-    "fp16_dense_one_dkv_split": (40, 2, 5, 48, 32, 30, "float16", {"dkv_programs": 1}),
+    "fp16_dense_query_chunks_of_3": (40, 2, 5, 48, 32, 30, "float16", {"chunk_tokens": 3}),
 }
 LAYOUTS = ("gather", "dense")
 """Every case runs both kernel layouts (``sparse_mla_triton(layout=...)``)."""
@@ -253,13 +253,14 @@ def test_rejects_bad_shapes() -> None:
 
 
 def test_layout_rule_and_bad_layout() -> None:
-    """``auto`` takes the contiguous-block kernels up to the measured crossover (16 heads: 4K and
-    8K dense, 16K gather; 64 heads: 4K gather) and an unknown layout names the allowed ones."""
+    """``auto`` takes the contiguous-block kernels up to the measured crossover (16 heads: up to
+    32K dense, 64K gather; 64 heads: 8K dense, 16K gather) and an unknown layout names the allowed
+    ones."""
     from kpool_layers.kernels.sparse_mla_dense_triton import dense_pays
     from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
-    assert [dense_pays(s, 2048, 16) for s in (4096, 8192, 16384)] == [True, True, False]
-    assert not dense_pays(4096, 2048, 64) and dense_pays(2048, 2048, 64)
+    assert [dense_pays(s, 2048, 16) for s in (4096, 32768, 65536)] == [True, True, False]
+    assert [dense_pays(s, 2048, 64) for s in (8192, 16384)] == [True, False]
     with pytest.raises(ValueError, match="layout must be one of .*'gather', 'dense'"):
         sparse_mla_triton(torch.zeros(4, 1, 2, 48), torch.zeros(4, 1, 1, 48),
                           torch.zeros(1, 4, 2, dtype=torch.int32), 1.0, v_channels=32,

@@ -368,7 +368,7 @@ class _SparseMLATriton(torch.autograd.Function):
         scale, v = ctx.softmax_scale, ctx.v_channels
         if bits is not None:
             grad_query, grad_kv = dense_mla.dense_backward(
-                query, latent_kv, bits, key_start, query_pos, out, lse2, grad_out, scale, v)
+                query, latent_kv, bits, query_pos, out, lse2, grad_out, scale, v)
             return grad_query, grad_kv, None, None, None, None, None, None, None
         s, b, n, d = query.shape
         s_kv = latent_kv.size(0)

@@ -7,18 +7,24 @@ Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one
 ``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s and MFU from
 :class:`recipes.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
 memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernel launches per step and
-per micro-batch, the top operators by self device time, self CPU time on CPU). ``--out`` writes
+per micro-batch, the top operators by self device time, self CPU time on CPU). With
+``--sync-sites`` one more step runs under CUDA's sync debug mode and the host synchronizations
+are counted by call site (the innermost frames in this project and megatron). ``--out`` writes
 the figures as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import time
+import traceback
+import warnings
 from functools import partial
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -32,11 +38,34 @@ from recipes.dry_run import flop_model
 from recipes.schema import register_configs
 
 
+def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
+    """Host synchronizations during one ``step`` by call site (``file:line`` of the innermost
+    ``frames`` frames in kpool_layers/, recipes/ or megatron/), most frequent first."""
+    counts: collections.Counter[str] = collections.Counter()
+
+    def record(*_args: object, **_kwargs: object) -> None:
+        ours = [f for f in traceback.extract_stack()
+                if any(part in f.filename for part in ("kpool_layers", "recipes", "megatron"))]
+        counts[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:frames])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(counts.most_common())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="count host synchronizations of one more step by call site (CUDA)")
     parser.add_argument("--peak-tflops", type=float, default=756.0,
                         help="the GPU's dense bf16 rate for MFU (H200 measured: 756)")
     args, overrides = parser.parse_known_args()
@@ -91,6 +120,10 @@ def main() -> None:
         "launches_per_microbatch": launches / trainer.num_microbatches,
         "profiled_steps_s": times, "overrides": overrides,
     }
+    if args.sync_sites and device.type == "cuda":
+        figures["host_syncs_by_site"] = sync_sites(step)
+        figures["host_syncs_per_step"] = sum(figures["host_syncs_by_site"].values())
+        print(json.dumps(figures["host_syncs_by_site"], indent=1))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
