@@ -165,13 +165,18 @@ def quantize(
     return q.reshape(x.shape), scale
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, recipe: Recipe, operand: Operand) -> torch.Tensor:
-    """Inverse of :func:`quantize`: ``float32(q) * scale`` per tile -> FP32 with ``q``'s shape."""
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, recipe: Recipe, operand: Operand, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Inverse of :func:`quantize`: ``float32(q) * scale`` per tile (FP32), rounded once to
+    ``out_dtype`` -> ``q``'s shape. The fused kernel
+    (:mod:`kpool_layers.kernels.fp8_dequant_triton`) returns the same bits."""
     k = q.shape[-1]
     q2 = q.reshape(-1, k)
     tile = _tile_shape(recipe, operand, q2.shape[0], k)
     tiles = _tiled(q2.float(), tile) * scale[:, None, :, None]
-    return tiles.view(tiles.shape[0] * tile[0], tiles.shape[2] * tile[1])[: q2.shape[0], :k].reshape(q.shape)
+    out = tiles.view(tiles.shape[0] * tile[0], tiles.shape[2] * tile[1])[: q2.shape[0], :k]
+    return out.to(out_dtype).reshape(q.shape)
 
 
 def emulate(

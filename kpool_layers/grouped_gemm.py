@@ -18,7 +18,8 @@ dtype from the dequantized operands):
   (1x128 tiles along K, or the whole row), so this equals quantizing each expert's rows; blockwise
   weight blocks (128x128) stay inside one expert when ``N`` is a multiple of 128 (otherwise the
   per-expert loop below runs). The backward is ``grouped_mm`` (``torch.nn.functional.grouped_mm``)
-  in the input dtype on the dequantized operands;
+  in the input dtype on the operands dequantized straight into it (one fused Triton kernel each,
+  :mod:`kpool_layers.kernels.fp8_dequant_triton`);
 * otherwise (CPU, the ``emulate`` backend): a loop of the per-expert role GEMM, the very
   computation of ``SequentialMLP``'s linears.
 """
@@ -96,15 +97,17 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        from kpool_layers.kernels import fp8_dequant_triton
+
         xq, xs, wq, ws = ctx.saved_tensors
         g = grad_out.to(ctx.x_dtype).contiguous()
         counts, e = ctx.tokens_per_expert, len(ctx.tokens_per_expert)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = fp8.dequantize(wq, ws, ctx.recipe, "weight").to(ctx.x_dtype).view(e, -1, wq.shape[-1])
-            grad_x = grouped_linear(g, w_deq.transpose(1, 2), counts, ctx.kernel)
+            w_deq = fp8_dequant_triton.dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype)
+            grad_x = grouped_linear(g, w_deq.view(e, -1, wq.shape[-1]).transpose(1, 2), counts, ctx.kernel)
         if ctx.needs_input_grad[1]:
-            x_deq = fp8.dequantize(xq, xs, ctx.recipe, "activation").to(ctx.x_dtype)
+            x_deq = fp8_dequant_triton.dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
             grad_w = grouped_wgrad(g, x_deq, counts, ctx.kernel).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None
 

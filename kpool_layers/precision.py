@@ -8,7 +8,7 @@
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
   (:mod:`kpool_layers.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
   ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
-  backend; straight-through backward.
+  backend; straight-through backward (fused Triton dequantization on ``torch``, :func:`dequantizer`).
 * :class:`LinearNumerics` - how the linear of one role computes under a policy; the role-tagged
   linears of :mod:`kpool_layers.linears` hold theirs from the build on.
 
@@ -293,20 +293,40 @@ def _scaled_mm(
     return out[:m, :n]
 
 
+def _fused_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether ``backend`` quantizes and dequantizes operands on ``x``'s device with the fused
+    Triton kernels: ``torch`` on CUDA."""
+    return backend == "torch" and x.is_cuda
+
+
 def quantizer(backend: str, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """How ``backend`` quantizes operands on ``x``'s device: ``torch`` on CUDA with the fused
-    Triton kernel (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for
-    tensorwise), otherwise :func:`kpool_layers.fp8.quantize`; both give the same bytes and scales."""
-    if backend == "torch" and x.is_cuda:
+    """How ``backend`` quantizes operands on ``x``'s device: the fused Triton kernel
+    (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for tensorwise)
+    where :func:`_fused_kernels`, otherwise :func:`kpool_layers.fp8.quantize`; both give the same
+    bytes and scales."""
+    if _fused_kernels(backend, x):
         from kpool_layers.kernels import fp8_quant_triton
 
         return fp8_quant_triton.quantize
     return fp8.quantize
 
 
+def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """How ``backend`` dequantizes e4m3 operands ``q`` on their device, ``(q, scale, recipe,
+    operand, out_dtype) -> out_dtype``: the fused Triton kernel
+    (:mod:`kpool_layers.kernels.fp8_dequant_triton`, one kernel) where :func:`_fused_kernels`,
+    otherwise :func:`kpool_layers.fp8.dequantize`; both give the same bits."""
+    if _fused_kernels(backend, q):
+        from kpool_layers.kernels import fp8_dequant_triton
+
+        return fp8_dequant_triton.dequantize
+    return fp8.dequantize
+
+
 class _QuantizedMatmul(torch.autograd.Function):
     """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
-    computed in ``x``'s dtype from the dequantized operands (kept as e4m3 + scales)."""
+    computed in ``x``'s dtype from the operands kept as e4m3 + scales, dequantized straight into
+    that dtype (:func:`dequantizer`)."""
 
     @staticmethod
     def forward(ctx, x, w, recipe, backend, scale_format):  # noqa: ANN001, ANN205
@@ -319,20 +339,19 @@ class _QuantizedMatmul(torch.autograd.Function):
         else:
             y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
         ctx.save_for_backward(xq, xs, wq, ws)
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, w.dtype
+        ctx.recipe, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, backend, x.shape, x.dtype, w.dtype
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         xq, xs, wq, ws = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
+        dequantize = dequantizer(ctx.backend, xq)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = fp8.dequantize(wq, ws, ctx.recipe, "weight").to(ctx.x_dtype)
-            grad_x = (g @ w_deq).reshape(ctx.x_shape)
+            grad_x = (g @ dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            x_deq = fp8.dequantize(xq, xs, ctx.recipe, "activation").to(ctx.x_dtype)
-            grad_w = (g.t() @ x_deq).to(ctx.w_dtype)
+            grad_w = (g.t() @ dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None
 
 

@@ -1,6 +1,6 @@
 """Benchmark routed experts (megatron ``SequentialMLP`` vs ``kpool_layers.grouped_experts``, bf16
-and FP8) and FP8 operand quantization (reference ``kpool_layers.fp8.quantize`` vs the fused Triton
-kernel).
+and FP8) and FP8 operand quantization / dequantization (reference ``kpool_layers.fp8`` vs the fused
+Triton kernels).
 
 Experts, glm5_proxy's expert shape: 16 experts, hidden 2048, SwiGLU ffn 1024, 32,768 routed tokens
 (the dispatcher's output ``x [T, H]`` sorted by expert, ``tokens_per_expert`` on the host as
@@ -14,10 +14,13 @@ and one FP8 grouped GEMM per projection), with bf16 ``GroupedExperts`` beside th
 ``max_rel_diff`` compares each path's output with the first path's of its case
 (max |difference| / max |first|).
 
-Quantization: one ``[8192, 2048]`` bf16 operand per recipe (blockwise 1x128 activation and 128x128
-weight, rowwise, tensorwise), ue8m0 scales; ``bytes_equal`` checks the fused kernel against the
-reference. Times are ``triton.testing.do_bench`` medians (ms). Needs CUDA (torch >= 2.10 with
-``grouped_mm``, triton >= 3.6). Prints a table and writes JSON to ``--out``.
+Quantization (part ``fp8_quant``): one ``[8192, 2048]`` bf16 operand per recipe (blockwise 1x128
+activation and 128x128 weight, rowwise, tensorwise), ue8m0 scales; ``bytes_equal`` checks the fused
+kernel against the reference. Cases ``dequantize ...``: the FP8 backward's dequantization of that
+operand back to bf16 (reference ``kpool_layers.fp8.dequantize`` vs the fused
+``kpool_layers.kernels.fp8_dequant_triton``), bits compared. Times are ``triton.testing.do_bench``
+medians (ms). Needs CUDA (torch >= 2.10 with ``grouped_mm``, triton >= 3.6). Prints a table and
+writes JSON to ``--out``.
 
     python scripts/bench/moe_experts.py --out runs/bench_moe_experts.json
 """
@@ -132,7 +135,9 @@ def bench_experts_fp8() -> list[dict[str, Any]]:
 
 
 def bench_quantization() -> list[dict[str, Any]]:
-    from kpool_layers.kernels import fp8_quant_triton
+    """Quantization (``bf16 -> e4m3 + scales``) and the backward's dequantization (``e4m3 + scales
+    -> bf16``) of one operand per recipe: eager reference vs fused kernel, bytes compared."""
+    from kpool_layers.kernels import fp8_dequant_triton, fp8_quant_triton
 
     torch.manual_seed(0)
     x = torch.randn(*QUANT_SHAPE, device="cuda", dtype=torch.bfloat16)
@@ -146,6 +151,13 @@ def bench_quantization() -> list[dict[str, Any]]:
             for name, fn in (("unfused", fp8.quantize), ("fused", fp8_quant_triton.quantize)):
                 ms = do_bench(lambda fn=fn: fn(x, recipe, operand))
                 rows.append({"part": "fp8_quant", "case": case, "path": name, "ms": ms, "bytes_equal": equal})
+            ref_x = fp8.dequantize(q, s, recipe, operand, torch.bfloat16)
+            got_x = fp8_dequant_triton.dequantize(q, s, recipe, operand, torch.bfloat16)
+            equal = torch.equal(got_x.view(torch.int16), ref_x.view(torch.int16))
+            for name, fn in (("unfused", fp8.dequantize), ("fused", fp8_dequant_triton.dequantize)):
+                ms = do_bench(lambda fn=fn: fn(q, s, recipe, operand, torch.bfloat16))
+                rows.append({"part": "fp8_quant", "case": f"dequantize {case}", "path": name, "ms": ms,
+                             "bytes_equal": equal})
     return rows
 
 
