@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 
 from kpool_layers import fp8
+from kpool_layers.device_copy import to_device
 from kpool_layers.fp8 import Recipe
 from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
 
@@ -50,8 +51,9 @@ def supports_policy(policy: PrecisionPolicy) -> bool:
 
 
 def _offsets(tokens_per_expert: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """End row of every expert, int32 on ``device`` (``grouped_mm``'s ``offs``)."""
-    return tokens_per_expert.to(device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    """End row of every expert, int32 on ``device`` (``grouped_mm``'s ``offs``; megatron's
+    dispatchers give the counts on the host: copied without a host synchronization)."""
+    return to_device(tokens_per_expert, device).to(torch.int32).cumsum(0, dtype=torch.int32)
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:

@@ -29,6 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from omegaconf import OmegaConf
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.device_copy import to_device
 from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
@@ -193,7 +194,8 @@ def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Ite
     """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
     this context-parallel rank's part of it (:func:`recipes.data.context_parallel_slice`; the
     packed documents' boundaries describe the whole row)."""
-    batch = {k: v.to(device) for k, v in next(data_iterator).items() if k != "attention_mask"}
+    batch = {k: to_device(v, device) for k, v in next(data_iterator).items()
+             if k != "attention_mask"}
     packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
     batch = data_lib.context_parallel_slice(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kpool_layers import fp8
+from kpool_layers.device_copy import to_device
 
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, fp8.BLOCK
 NUM_WARPS, NUM_STAGES = 8, 4
@@ -121,7 +122,7 @@ def grouped_gemm(
     if t == 0 or n == 0:
         return out
     x_q, w_q = x_q.contiguous(), w_q.contiguous()
-    counts = tokens_per_expert.to(device=x_q.device)
+    counts = to_device(tokens_per_expert, x_q.device)
     grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(t, BLOCK_M) + e)
     _grouped_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, counts, out, n, k, e,
