@@ -422,3 +422,19 @@ def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):
         check_resumable_experts(None, grouped, "ck")
     with pytest.raises(ValueError, match=r"GroupedExperts.*moe_grouped_gemm=true"):
         check_resumable_experts("GroupedExperts", seq, "ck")
+
+
+@pytest.mark.gpu
+def test_expert_offsets_reach_the_gpu_without_a_host_sync() -> None:
+    """megatron's dispatchers return the expert counts on the host; their copy to the GPU must not
+    synchronize (CUDA's sync debug mode raises on a synchronizing copy)."""
+    from kpool_layers.grouped_gemm import _offsets
+
+    counts = torch.tensor([3, 0, 5, 2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        offs = _offsets(counts, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert offs.tolist() == [3, 3, 8, 10] and offs.dtype == torch.int32
