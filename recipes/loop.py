@@ -193,7 +193,10 @@ def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Ite
     """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
     this context-parallel rank's part of it (:func:`recipes.data.context_parallel_slice`; the
     packed documents' boundaries describe the whole row)."""
-    batch = {k: v.to(device) for k, v in next(data_iterator).items() if k != "attention_mask"}
+    # host -> device copies that do not wait for the kernels already queued (the stream orders
+    # them before the kernels that read the batch; a pageable source is staged at the call)
+    batch = {k: v.to(device, non_blocking=True) for k, v in next(data_iterator).items()
+             if k != "attention_mask"}
     packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
     batch = data_lib.context_parallel_slice(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
@@ -201,14 +204,13 @@ def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Ite
     return output, partial(_loss, batch["loss_mask"])
 
 
-def _reduce_loss(reports: list[dict]) -> float:
-    """Global token-mean loss: summed on each last-stage TP-rank-0 replica, then over the world."""
-    totals = torch.zeros(2, dtype=torch.float64)
+def _reduce_loss(reports: list[dict], device: torch.device) -> float:
+    """Global token-mean loss: summed on each last-stage TP-rank-0 replica, then over the world;
+    on ``device``, read once (one host sync per step, none per micro batch)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for r in reports:
-            totals += r["lm loss"].detach().double().cpu()
-    if torch.cuda.is_available():
-        totals = totals.cuda()
+            totals += r["lm loss"].detach().double()
     dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1)).item()
 
@@ -263,7 +265,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
                 forward_only=False,
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
-            loss = _reduce_loss(reports)
+            loss = _reduce_loss(reports, device)
             grad_norm: Optional[float] = math.nan  # logged as such when the update is skipped
             if nonfinite.apply_step(progress.step + 1, loss, trainer.model,
                                     f"the last checkpoint in {ckpt_root} holds the last saved state"):
