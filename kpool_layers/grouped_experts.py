@@ -123,14 +123,15 @@ class GroupedExperts(MegatronModule):
         return x.is_cuda and x.dtype == torch.bfloat16 and self.config.hidden_size % 8 == 0 and self.ffn_per_partition % 8 == 0
 
     def _counts(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:
-        """``tokens_per_expert`` where both GEMMs read it: on ``x``'s device, copied once without
-        a host sync, when both run grouped kernels (each would copy the dispatcher's host counts
-        again, a blocking copy); as given (on the host) when a per-expert loop reads them."""
+        """``tokens_per_expert`` where both GEMMs read it: int32 (the grouped kernels' offsets
+        dtype, cast on the host) on ``x``'s device, copied once without a host sync, when both
+        run grouped kernels (each would otherwise copy the dispatcher's host counts again, a
+        blocking copy); as given (on the host) when a per-expert loop reads them."""
         on_device = kernel and all(not n.replaces_gemm(w.dtype) or fused_fp8(n, x, w) for n, w in (
             (self.numerics["weight1"], self.weight1), (self.numerics["weight2"], self.weight2)))
-        if not on_device or tokens_per_expert.device == x.device:
+        if not on_device:
             return tokens_per_expert
-        return tokens_per_expert.to(x.device, non_blocking=True)
+        return tokens_per_expert.to(torch.int32).to(x.device, non_blocking=True)
 
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor

@@ -422,3 +422,16 @@ def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):
         check_resumable_experts(None, grouped, "ck")
     with pytest.raises(ValueError, match=r"GroupedExperts.*moe_grouped_gemm=true"):
         check_resumable_experts("GroupedExperts", seq, "ck")
+
+
+def test_counts_cross_to_the_device_once_for_the_grouped_kernels(single_rank_parallel_state):
+    """The per-expert loop reads the dispatcher's host counts as they are; the grouped kernels get
+    them once, int32 (their offsets' dtype) on the input's device, instead of a blocking copy
+    per GEMM."""
+    _, grouped = build_pair(config())
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    x = torch.randn(int(counts.sum()), HIDDEN)
+    assert grouped._counts(x, counts, kernel=False) is counts
+    on_device = grouped._counts(x, counts, kernel=True)
+    assert on_device.dtype == torch.int32 and on_device.device == x.device
+    assert on_device.tolist() == TOKENS_PER_EXPERT
