@@ -4,8 +4,11 @@ given token positions.
 Same math and channel conventions as megatron-core's ``RotaryEmbedding`` /
 ``YarnRotaryEmbedding`` + ``apply_rotary_pos_emb`` (unfused path), but the angle table is built for
 an explicit position vector instead of ``arange(max_seq_len)``, so packed THD batches get
-document-local positions (each document restarts at 0) without a cached table. Nothing is stored
-on the module tree: no buffers that ``Float16Module`` could cast to bf16.
+document-local positions (each document restarts at 0) without a max-length table. Nothing is
+stored on the module tree (no buffers that ``Float16Module`` could cast to bf16); the tables of one
+document's positions ``0 .. s - 1`` are built once per length, device and dtype and shared by all
+layers and micro batches (:meth:`Rotary.bind_arange`, :func:`arange_positions`). A rotation is five
+elementwise kernels forward and five backward (:class:`RotaryTables`).
 
 Layouts:
   * positions: int64 ``[s]`` (token position inside its document);
