@@ -323,8 +323,11 @@ class GLMSparseMLA(MegatronModule):
         query_pos = query_positions(s, self.cp_group, kv_latent.device)  # None without CP
         s_kv = s * cp_size(self.cp_group)  # keys: the whole row
         key_positions, doc_start = document_positions(s_kv, cu_seqlens, kv_latent.device)
-        positions = key_positions if query_pos is None else key_positions[query_pos]
         key_start = doc_start if query_pos is None else doc_start[query_pos]
+        # The query rows' positions; None: 0 .. s - 1 (one document, no CP: cached rotary tables).
+        positions = None
+        if cu_seqlens is not None or query_pos is not None:
+            positions = key_positions if query_pos is None else key_positions[query_pos]
 
         q, _ = self.linear_q_up_proj(q_latent)  # [s, b, n_l * qk]
         q = q.view(s, b, self.local_heads, cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
@@ -333,10 +336,12 @@ class GLMSparseMLA(MegatronModule):
         query = torch.einsum("sbnd,ndc->sbnc", q_nope, k_up)  # [s, b, n_l, r]
         key = kv_latent.unsqueeze(2)  # [s, b, 1, r]
         if self.rotary is not None:
-            rotate = self.rotary.bind(positions, mla_interleaved=True)
-            query = torch.cat([query, rotate(q_pe)], dim=-1)
-            k_pe = self._full_sequence(k_pe).unsqueeze(2)
-            key = torch.cat([key, rotate(k_pe)], dim=-1)
+            rotate = self._rotary_fn(positions, s, kv_latent.device, mla_interleaved=True)
+            k_pe = self._full_sequence(k_pe).unsqueeze(2)  # [s, b, 1, p]
+            # one rotation for the query heads and the key head (per-vector, so the same values)
+            q_pe, k_pe = rotate(torch.cat([q_pe, k_pe], dim=2)).split([self.local_heads, 1], dim=2)
+            query = torch.cat([query, q_pe], dim=-1)
+            key = torch.cat([key, k_pe], dim=-1)
         key = gather_sequence(key, self.cp_group)  # [s_kv, b, 1, d_k]
 
         topk_indices, indexer_out = self._topk(hidden_states, q_latent, positions, cu_seqlens,
@@ -386,11 +391,19 @@ class GLMSparseMLA(MegatronModule):
             self.local_heads, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return weight.split([cfg.qk_head_dim, cfg.v_head_dim], dim=1)
 
-    def _topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+    def _rotary_fn(self, positions: Optional[torch.Tensor], s: int, device: torch.device, *,
+                   mla_interleaved: bool) -> RotaryFn:
+        """The rotary of the ``s`` query rows at ``positions`` (None: ``0 .. s - 1``, whose tables
+        are built once for all layers and micro batches)."""
+        if positions is None:
+            return self.rotary.bind_arange(s, device, mla_interleaved=mla_interleaved)
+        return self.rotary.bind(positions, mla_interleaved=mla_interleaved)
+
+    def _topk(self, hidden: torch.Tensor, q_latent: torch.Tensor, positions: Optional[torch.Tensor],
               cu_seqlens: Optional[torch.Tensor], packed_seq_params: Optional[PackedSeqParams]
               ) -> tuple[torch.Tensor, Any]:
         """Top-k ``[b, s, W]`` (own indexer or IndexShare source) and the indexer output when the
-        indexer loss is computed in this forward (else None)."""
+        indexer loss is computed in this forward (else None); ``positions`` as :meth:`_rotary_fn`'s."""
         if not self.computes_topk:
             return self.topk_share.get(self.source_layer, packed_seq_params), None
         hidden, q_latent = hidden.detach(), q_latent.detach()
@@ -399,8 +412,8 @@ class GLMSparseMLA(MegatronModule):
             q_latent = gather_from_sequence_parallel_region(q_latent, group=self.tp_group)
         rotary_fn: Optional[RotaryFn] = None
         if self.rotary is not None:
-            rotary_fn = self.rotary.bind(
-                positions, mla_interleaved=self.config.dsa_indexer_rope_interleaved)
+            rotary_fn = self._rotary_fn(positions, q_latent.size(0), q_latent.device,
+                                        mla_interleaved=self.config.dsa_indexer_rope_interleaved)
         with_loss = self.uses_indexer_loss and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(with_loss):
             out = self.indexer(hidden, q_latent, rotary_fn, cu_seqlens)

@@ -47,7 +47,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-from kpool_layers.grouped_gemm import FP8_RECIPES, expert_linear, supports_policy
+from kpool_layers.device_copy import to_device
+from kpool_layers.grouped_gemm import FP8_RECIPES, expert_linear, fused_fp8, supports_policy
 from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
 
 _FC = ("linear_fc1", "linear_fc2")
@@ -122,6 +123,17 @@ class GroupedExperts(MegatronModule):
         """Whether ``grouped_mm`` runs (CUDA, BF16, 16-byte aligned rows) rather than the loop."""
         return x.is_cuda and x.dtype == torch.bfloat16 and self.config.hidden_size % 8 == 0 and self.ffn_per_partition % 8 == 0
 
+    def _counts(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:
+        """``tokens_per_expert`` where both GEMMs read it: int32 (the grouped kernels' offsets
+        dtype, cast on the host) on ``x``'s device, copied once without a host sync, when both
+        run grouped kernels (each would otherwise copy the dispatcher's host counts again, a
+        blocking copy); as given (on the host) when a per-expert loop reads them."""
+        on_device = kernel and all(not n.replaces_gemm(w.dtype) or fused_fp8(n, x, w) for n, w in (
+            (self.numerics["weight1"], self.weight1), (self.numerics["weight2"], self.weight2)))
+        if not on_device:
+            return tokens_per_expert
+        return to_device(tokens_per_expert.to(torch.int32), x.device)
+
     def forward(
         self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor, permuted_probs: torch.Tensor
     ) -> tuple[torch.Tensor, None]:
@@ -130,6 +142,7 @@ class GroupedExperts(MegatronModule):
         then times the probability, cast back to ``x``'s dtype, then fc2)."""
         x = permuted_local_hidden_states
         kernel = self._kernel(x)
+        tokens_per_expert = self._counts(x, tokens_per_expert, kernel)
         h = expert_linear(x, self.weight1, tokens_per_expert, self.numerics["weight1"], kernel)
         if self.glu == 2:
             gate, up = torch.chunk(h, 2, dim=-1)

@@ -299,6 +299,26 @@ class DSAIndexer(MegatronModule):
         pe, nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         return torch.cat([rotary_fn(pe), nope], dim=-1)
 
+    def _rotate(self, x: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]], hadamard: bool) -> Tensor:
+        """Rotary, then with ``hadamard`` :func:`rotate_activation`, of x [s, b, n, head_dim]."""
+        x = self._rope(x, rotary_fn)
+        return rotate_activation(x) if hadamard else x
+
+    def _rotate_qk(self, q: Tensor, k: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]],
+                   hadamard: bool) -> tuple[Tensor, Tensor]:
+        """:meth:`_rotate` of the index queries q [s, b, n_heads, head_dim] and keys k [s, b,
+        head_dim] -> (contiguous q, contiguous k). Both maps act on every head_dim vector alone, so
+        q and k of one dtype go through them as one [s, b, n_heads + 1, head_dim] tensor: the
+        same values in a third of the kernels."""
+        s, b = k.shape[:2]
+        if self.rope_dim == 0 and not hadamard:
+            return q, k
+        if q.dtype != k.dtype:  # roles of different dtypes: no common tensor
+            return self._rotate(q, rotary_fn, hadamard), self._rotate(k.view(s, b, 1, -1), rotary_fn, hadamard).view(s, b, -1)
+        qk = self._rotate(torch.cat([q, k.unsqueeze(2)], dim=2), rotary_fn, hadamard)
+        q, k = qk.split([self.n_heads, 1], dim=2)
+        return q.contiguous(), k.squeeze(2).contiguous()
+
     def forward(
         self,
         hidden: Tensor,
@@ -364,10 +384,7 @@ class DSAIndexer(MegatronModule):
 
         q = project.qk(self.linear_wq_b, q_latent).view(s, b, self.n_heads, self.head_dim)
         k = self._k_norm(project.qk(self.linear_wk, hidden), numerics.k_norm_fp32)
-        q = self._rope(q, rotary_fn)
-        k = self._rope(k.view(s, b, 1, self.head_dim), rotary_fn).view(s, b, self.head_dim)
-        if cfg.dsa_indexer_rotate_activation and quant is None:
-            q, k = rotate_activation(q), rotate_activation(k)
+        q, k = self._rotate_qk(q, k, rotary_fn, cfg.dsa_indexer_rotate_activation and quant is None)
         k = gather_sequence(k, self.cp_group)  # [s_kv, b, head_dim], the whole row
         scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.kpool > 1:
@@ -404,9 +421,14 @@ class DSAIndexer(MegatronModule):
             )
             keys.append(row_keys)
         return IndexerOutput(
-            topk_indices=torch.stack(indices),
+            topk_indices=_stack(indices, dim=0),
             q=q,
             weights=weights,
-            keys=torch.stack(keys, dim=1),
+            keys=_stack(keys, dim=1),
             layout=layout,
         )
+
+
+def _stack(rows: list[Tensor], dim: int) -> Tensor:
+    """``torch.stack(rows, dim)``; one row is a view of it, not a copy."""
+    return rows[0].unsqueeze(dim) if len(rows) == 1 else torch.stack(rows, dim=dim)

@@ -22,6 +22,7 @@ layer runs (chunked PyTorch or a fused top-k kernel) and must return exactly the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -67,14 +68,28 @@ def pool_layout(
     """Pools of a row of ``t`` tokens; ``cu_seqlens`` (int [n_docs + 1], last entry ``t``) marks
     packed documents, None means one document.
 
-    The document boundaries are read to the host once (none are read for one document), so
-    building a layout does not wait for the device more than once."""
+    The document boundaries are read to the host once, so building a layout does not wait for
+    the device more than once. The layout of one document is built once per ``(t, kpool,
+    device)`` and shared by every caller (its tensors are read, never written)."""
     if cu_seqlens is None:
-        bounds = [0, t]
-    else:
-        bounds = [int(x) for x in cu_seqlens.tolist()]
-        if bounds[-1] != t or bounds[0] != 0:
-            raise ValueError(f"cu_seqlens must run from 0 to the row length {t}, got {bounds}")
+        return _one_document_layout(t, kpool, device)
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    if bounds[-1] != t or bounds[0] != 0:
+        raise ValueError(f"cu_seqlens must run from 0 to the row length {t}, got {bounds}")
+    return _layout(bounds, kpool, device)
+
+
+@functools.lru_cache(maxsize=32)
+def _one_document_layout(t: int, kpool: int, device: Optional[torch.device]) -> PoolLayout:
+    """:func:`pool_layout` of one document (plain tensors even when first built under inference
+    mode, so that autograd may use them)."""
+    with torch.inference_mode(False):
+        return _layout([0, t], kpool, device)
+
+
+def _layout(bounds: list[int], kpool: int, device: Optional[torch.device]) -> PoolLayout:
+    """The layout of documents at token ``bounds`` (``0 .. t``, host ints)."""
+    t = bounds[-1]
     cu = torch.tensor(bounds, dtype=torch.long, device=device)
     dev = cu.device
     pools_per_doc = (cu[1:] - cu[:-1]) // kpool

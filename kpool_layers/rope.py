@@ -4,8 +4,11 @@ given token positions.
 Same math and channel conventions as megatron-core's ``RotaryEmbedding`` /
 ``YarnRotaryEmbedding`` + ``apply_rotary_pos_emb`` (unfused path), but the angle table is built for
 an explicit position vector instead of ``arange(max_seq_len)``, so packed THD batches get
-document-local positions (each document restarts at 0) without a cached table. Nothing is stored
-on the module tree: no buffers that ``Float16Module`` could cast to bf16.
+document-local positions (each document restarts at 0) without a max-length table. Nothing is
+stored on the module tree (no buffers that ``Float16Module`` could cast to bf16); the tables of one
+document's positions ``0 .. s - 1`` are built once per length, device and dtype and shared by all
+layers and micro batches (:meth:`Rotary.bind_arange`, :func:`arange_positions`). A rotation is five
+elementwise kernels forward and five backward (:class:`RotaryTables`).
 
 Layouts:
   * positions: int64 ``[s]`` (token position inside its document);
@@ -25,6 +28,7 @@ Conventions (both exactly as megatron):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,21 +47,75 @@ def yarn_get_mscale(scale: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
+@functools.lru_cache(maxsize=32)
+def arange_positions(seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``0 .. seq_len - 1`` of one document and its start (zeros), both int64
+    ``[seq_len]``; built once per length and device and shared (read-only) by every caller."""
+    with torch.inference_mode(False):
+        tokens = torch.arange(seq_len, device=device, dtype=torch.int64)
+        return tokens, torch.zeros_like(tokens)
+
+
 def document_positions(seq_len: int, cu_seqlens: torch.Tensor | None, device: torch.device
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token position inside its document and the document's first token index.
 
     ``cu_seqlens`` (int ``[n_docs + 1]``, cumulative document lengths of a packed THD sequence) or
     None for one document per sequence. Tokens past ``cu_seqlens[-1]`` form one trailing document.
-    Returns ``(positions, doc_start)``, both int64 ``[seq_len]``.
+    Returns ``(positions, doc_start)``, both int64 ``[seq_len]`` (without ``cu_seqlens`` the
+    shared tensors of :func:`arange_positions`: read them, never write).
     """
-    tokens = torch.arange(seq_len, device=device, dtype=torch.int64)
     if cu_seqlens is None:
-        return tokens, torch.zeros_like(tokens)
+        return arange_positions(seq_len, device)
+    tokens = torch.arange(seq_len, device=device, dtype=torch.int64)
     bounds = cu_seqlens.to(device=device, dtype=torch.int64)
     doc = torch.searchsorted(bounds, tokens, right=True) - 1  # in [0, n_docs]
     doc_start = bounds[doc]
     return tokens - doc_start, doc_start
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """The products' factors of one rotation, in the rotated tensor's dtype: ``cos`` and ``sin``
+    (``[s, 1, 1, rot_dim]``, scaled by ``mscale`` then cast, as megatron does), with the sign of
+    "rotate half" folded into ``sin``: ``x * cos + partner(x) * sin`` equals megatron's
+    ``x * cos + rotate_half(x) * sin`` bit for bit (``(-a) * b == a * (-b)`` exactly)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rotary_interleaved: bool
+
+    @classmethod
+    def of(cls, angles: torch.Tensor, dtype: torch.dtype, *, rotary_interleaved: bool,
+           mscale: float) -> RotaryTables:
+        """Tables of ``angles [s, 1, 1, rot_dim]`` (megatron's ``freqs``) for tensors of ``dtype``."""
+        half = angles.size(-1) // 2
+        sign = torch.ones(angles.size(-1), dtype=dtype, device=angles.device)
+        if rotary_interleaved:  # pairs (2i, 2i+1) -> (-x[2i+1], x[2i])
+            sign[0::2] = -1
+        else:  # halves -> (-second, first)
+            sign[:half] = -1
+        cos = (angles.cos() * mscale).to(dtype)
+        sin = (angles.sin() * mscale).to(dtype) * sign
+        return cls(cos=cos, sin=sin, rotary_interleaved=rotary_interleaved)
+
+    def partner(self, x: torch.Tensor) -> torch.Tensor:
+        """Every channel's rotation partner: halves swapped, or the channels of each pair swapped
+        (``rotary_interleaved``); one copy kernel."""
+        if self.rotary_interleaved:
+            return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+        return x.roll(x.size(-1) // 2, dims=-1)
+
+    def rotate(self, t: torch.Tensor, *, mla_interleaved: bool) -> torch.Tensor:
+        """Rotate the first ``rot_dim`` channels of ``t [s, b, n, d]``; a tensor shaped like ``t``."""
+        rot_dim = self.cos.size(-1)
+        rot = t[..., :rot_dim] if t.size(-1) > rot_dim else t
+        if mla_interleaved:  # even channels, then odd channels: one copy
+            rot = rot.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        out = rot * self.cos + self.partner(rot) * self.sin
+        if t.size(-1) == rot_dim:
+            return out
+        return torch.cat((out, t[..., rot_dim:]), dim=-1)
 
 
 def apply_rotary(t: torch.Tensor, angles: torch.Tensor, *, mla_interleaved: bool,
@@ -67,19 +125,8 @@ def apply_rotary(t: torch.Tensor, angles: torch.Tensor, *, mla_interleaved: bool
     ``cos``/``sin`` are scaled by ``mscale`` (YaRN concentration) and cast to ``t.dtype`` before the
     products, as megatron does. Returns a tensor shaped like ``t``.
     """
-    rot_dim = angles.size(-1)
-    rot, rest = t[..., :rot_dim], t[..., rot_dim:]
-    if mla_interleaved:
-        rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
-    cos = (angles.cos() * mscale).to(t.dtype)
-    sin = (angles.sin() * mscale).to(t.dtype)
-    if rotary_interleaved:
-        pairs = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1)
-        rotated_half = pairs.flatten(-2)
-    else:
-        first, second = rot.chunk(2, dim=-1)
-        rotated_half = torch.cat((-second, first), dim=-1)
-    return torch.cat((rot * cos + rotated_half * sin, rest), dim=-1)
+    tables = RotaryTables.of(angles, t.dtype, rotary_interleaved=rotary_interleaved, mscale=mscale)
+    return tables.rotate(t, mla_interleaved=mla_interleaved)
 
 
 @dataclass(frozen=True)
@@ -159,13 +206,36 @@ class Rotary:
             table = torch.cat((freqs, freqs), dim=-1)
         return table[:, None, None, :]
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """:class:`RotaryTables` at int ``positions [s]`` for tensors of ``dtype``."""
+        return RotaryTables.of(self.angles(positions), dtype,
+                               rotary_interleaved=self.rotary_interleaved, mscale=self.concentration)
+
     def bind(self, positions: torch.Tensor, *, mla_interleaved: bool) -> RotaryFn:
-        """A function rotating ``[s, b, n, dim]`` tensors at ``positions [s]``."""
-        angles = self.angles(positions)
+        """A function rotating ``[s, b, n, dim]`` tensors at ``positions [s]`` (tables built at
+        the first call of each dtype)."""
+        built: dict[torch.dtype, RotaryTables] = {}
 
         def rotate(t: torch.Tensor) -> torch.Tensor:
-            return apply_rotary(t, angles, mla_interleaved=mla_interleaved,
-                                rotary_interleaved=self.rotary_interleaved,
-                                mscale=self.concentration)
+            if t.dtype not in built:
+                built[t.dtype] = self.tables(positions, t.dtype)
+            return built[t.dtype].rotate(t, mla_interleaved=mla_interleaved)
 
         return rotate
+
+    def bind_arange(self, seq_len: int, device: torch.device, *, mla_interleaved: bool) -> RotaryFn:
+        """:meth:`bind` at positions ``0 .. seq_len - 1`` with tables kept across calls (one
+        build per length, device and dtype for all layers and micro batches)."""
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:
+            return _arange_tables(self, seq_len, device, t.dtype).rotate(t, mla_interleaved=mla_interleaved)
+
+        return rotate
+
+
+@functools.lru_cache(maxsize=32)
+def _arange_tables(rotary: Rotary, seq_len: int, device: torch.device, dtype: torch.dtype) -> RotaryTables:
+    """``rotary``'s tables at positions ``0 .. seq_len - 1`` (plain tensors even when first built
+    under inference mode, so that autograd may save them)."""
+    with torch.inference_mode(False), torch.no_grad():
+        return rotary.tables(arange_positions(seq_len, device)[0], dtype)

@@ -203,14 +203,13 @@ def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Ite
     return output, partial(_loss, batch["loss_mask"])
 
 
-def _reduce_loss(reports: list[dict]) -> float:
-    """Global token-mean loss: summed on each last-stage TP-rank-0 replica, then over the world."""
-    totals = torch.zeros(2, dtype=torch.float64)
+def _reduce_loss(reports: list[dict], device: torch.device) -> float:
+    """Global token-mean loss: summed on each last-stage TP-rank-0 replica, then over the world;
+    on ``device``, read once (one host sync per step, none per micro batch)."""
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         for r in reports:
-            totals += r["lm loss"].detach().double().cpu()
-    if torch.cuda.is_available():
-        totals = totals.cuda()
+            totals += r["lm loss"].detach().double()
     dist.all_reduce(totals)
     return (totals[0] / totals[1].clamp(min=1)).item()
 
@@ -265,7 +264,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
                 forward_only=False,
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
-            loss = _reduce_loss(reports)
+            loss = _reduce_loss(reports, device)
             grad_norm: Optional[float] = math.nan  # logged as such when the update is skipped
             if nonfinite.apply_step(progress.step + 1, loss, trainer.model,
                                     f"the last checkpoint in {ckpt_root} holds the last saved state"):

@@ -438,3 +438,16 @@ def test_expert_offsets_reach_the_gpu_without_a_host_sync() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert offs.tolist() == [3, 3, 8, 10] and offs.dtype == torch.int32
+
+
+def test_counts_cross_to_the_device_once_for_the_grouped_kernels(single_rank_parallel_state):
+    """The per-expert loop reads the dispatcher's host counts as they are; the grouped kernels get
+    them once, int32 (their offsets' dtype) on the input's device, instead of a blocking copy
+    per GEMM."""
+    _, grouped = build_pair(config())
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    x = torch.randn(int(counts.sum()), HIDDEN)
+    assert grouped._counts(x, counts, kernel=False) is counts
+    on_device = grouped._counts(x, counts, kernel=True)
+    assert on_device.dtype == torch.int32 and on_device.device == x.device
+    assert on_device.tolist() == TOKENS_PER_EXPERT
