@@ -101,10 +101,8 @@ def check_overrides(overrides: list[str]) -> None:
         _check_value(key, value, known)
 
 
-def check_config_keys(cfg: Any) -> None:
+def check_config_keys(cfg: DictConfig) -> None:
     """Raise :class:`UnknownKeyError` for a key of a composed config that the schema lacks."""
-    if not isinstance(cfg, DictConfig):
-        return  # a Config dataclass has only schema keys
     known = dict(schema_keys())
 
     def walk(node: DictConfig, prefix: str) -> None:

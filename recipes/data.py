@@ -32,7 +32,7 @@ import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -49,24 +49,10 @@ from megatron.core.tokenizers.text.models import GPTTokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank
 from tokenizers import Tokenizer
 
-from recipes.schema import ConfigError
+from recipes.schema import ConfigError, DataConfig, DataKind
 
 # Tried in order when the tokenizer directory has no tokenizer_config.json naming an eos_token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
-
-
-class DataConfig(Protocol):
-    """The attributes of the lead's ``recipes.schema`` data config that this module reads."""
-
-    kind: str
-    paths: list[str]
-    split: str
-    tokenizer: str | None
-    reset_position_ids: bool
-    reset_attention_mask: bool
-    eod_mask_loss: bool
-    cache_dir: str | None
-    num_workers: int
 
 
 class TokenizersLibrary(MegatronTokenizerTextAbstract):
@@ -173,7 +159,7 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: int) -> MegatronTokenizerB
                 f"{tokenizer.vocab_size}); or raise model.vocab_size",
             )
         return tokenizer
-    if data_cfg.kind != "mock":
+    if data_cfg.kind != DataKind.mock:
         raise ValueError(f"data.kind={data_cfg.kind!r} needs data.tokenizer")
     return MegatronTokenizer.from_pretrained(
         metadata_path={"library": "null-text"}, vocab_size=vocab_size
@@ -220,12 +206,10 @@ def build_train_dataset(
     :func:`packed_seq_params_from_eod`). Call on every rank (collective when torch.distributed is
     initialized).
     """
-    if data_cfg.kind not in ("mock", "indexed"):
-        raise ValueError(f"data.kind must be 'mock' or 'indexed', got {data_cfg.kind!r}")
-    if data_cfg.kind == "indexed" and not data_cfg.paths:
+    indexed = data_cfg.kind == DataKind.indexed
+    if indexed and not data_cfg.paths:
         raise ValueError("data.kind='indexed' needs data.paths")
     ensure_dataset_helpers()
-    indexed = data_cfg.kind == "indexed"
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

@@ -8,7 +8,6 @@ Each failure is a :class:`recipes.schema.ConfigError` naming the key to change a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_config import (
@@ -18,7 +17,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
-from recipes.schema import ConfigError
+from recipes.schema import ConfigError, DataConfig, DataKind
 
 _CHUNK = 1 << 26
 """Token ids read at once when scanning a ``.bin`` for its largest id."""
@@ -54,10 +53,10 @@ def _max_token_id(prefix: str, dtype: np.dtype) -> int:
     return max((int(tokens[i:i + _CHUNK].max()) for i in range(0, len(tokens), _CHUNK)), default=-1)
 
 
-def check_indexed_data(data_cfg: Any, vocab_size: int) -> None:
+def check_indexed_data(data_cfg: DataConfig, vocab_size: int) -> None:
     """Raise :class:`ConfigError` if the indexed datasets of ``data_cfg`` cannot train a model of
     ``vocab_size`` ids (see the module doc). Reads every ``.bin`` once (memory-mapped)."""
-    if data_cfg.kind != "indexed":
+    if data_cfg.kind != DataKind.indexed:
         return
     prefixes, _ = get_blend_from_list(list(data_cfg.paths))
     begin, end = train_split(data_cfg.split)

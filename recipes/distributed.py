@@ -6,10 +6,14 @@ from __future__ import annotations
 import datetime as _dt
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kpool_layers import _cpu
+
+if TYPE_CHECKING:
+    from recipes.schema import ParallelismConfig
 
 
 @dataclass(frozen=True)
@@ -122,7 +126,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_model_parallel(parallelism, seed: int) -> None:  # noqa: ANN001 (ParallelismConfig node)
+def init_model_parallel(parallelism: ParallelismConfig, seed: int) -> None:
     """megatron's parallel_state groups and the model-parallel RNG streams."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -37,7 +37,7 @@ from kpool_layers.drift import boundary_tie_frac, reduce_drift_metrics, topk_dri
 from kpool_layers.indexer import DSAIndexer, IndexerNumerics, IndexerOutput, ScoredSelection
 from kpool_layers.precision import PrecisionPolicy
 from recipes.precision_setup import profile_policy
-from recipes.schema import DriftReference
+from recipes.schema import DriftConfig, DriftReference
 
 TABLE_EVERY = 10
 """A per-layer wandb Table on the first and every ``TABLE_EVERY``-th measurement."""
@@ -116,10 +116,10 @@ def layer_drift(indexer: DSAIndexer, recorded: Recorded,
 class DriftMonitor:
     """Arms, measures and logs top-k drift for one model (see the module docstring)."""
 
-    def __init__(self, drift_cfg: Any, model: torch.nn.Module, num_layers: int) -> None:
+    def __init__(self, drift_cfg: DriftConfig, model: torch.nn.Module, num_layers: int) -> None:
         """``drift_cfg``: ``precision.drift``; the run's policy is ``model.config.precision``."""
-        self.interval = int(drift_cfg.interval)
-        self.reference = DriftReference(drift_cfg.reference).value
+        self.interval = drift_cfg.interval
+        self.reference = drift_cfg.reference.value
         self.numerics = reference_numerics(self.reference, model.config.precision)
         self.indexers = drift_indexers(model, num_layers)
         self._hooks: list[RemovableHandle] = []

@@ -11,15 +11,16 @@ from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from omegaconf import DictConfig
 
 from kpool_layers import model_facts
 from recipes import memory_plan
 from recipes.megatron_config import to_transformer_config
 from recipes.metrics import FlopModel
-from recipes.schema import ConfigError, all_problems
+from recipes.schema import Config, ConfigError, ModelConfig, all_problems
 
 
-def analytic_param_count(m: Any) -> tuple[int, int]:
+def analytic_param_count(m: ModelConfig) -> tuple[int, int]:
     """(total, active per token) parameters of a GLM-5.x model from its ``model`` config.
 
     Matches megatron's built ``GPTModel`` exactly (tests check it against a meta build). MTP
@@ -64,7 +65,7 @@ def analytic_param_count(m: Any) -> tuple[int, int]:
     return total, active
 
 
-def flop_model(cfg: Any) -> FlopModel:
+def flop_model(cfg: Config) -> FlopModel:
     """FLOPs per token of ``cfg.model`` (see :class:`recipes.metrics.FlopModel`)."""
     m = cfg.model
     _, active = analytic_param_count(m)
@@ -80,7 +81,7 @@ def flop_model(cfg: Any) -> FlopModel:
     )
 
 
-def memory_estimate_gib(cfg: Any, total: int, expert: int) -> dict[str, float]:
+def memory_estimate_gib(cfg: Config, total: int, expert: int) -> dict[str, float]:
     """Per-rank weights + grads + Adam state (GiB) under ``cfg.parallelism``.
 
     bf16 weights (2 B) + fp32 main grads (4 B) + fp32 master/m/v (12 B, sharded over data
@@ -98,7 +99,7 @@ def memory_estimate_gib(cfg: Any, total: int, expert: int) -> dict[str, float]:
             "total": (weights + grads + optim) / gib}
 
 
-def dry_run(cfg: Any) -> None:
+def dry_run(cfg: Config) -> None:
     """Meta-device build at TP = PP = EP = 1 and the report; collective-free beyond group init."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -133,9 +134,9 @@ def dry_run(cfg: Any) -> None:
     print_precision_map(model)
 
 
-def check_all(cfg: Any, world_size: int) -> None:
-    """Every config rule at once for the planned machine; raises one :class:`ConfigError` that
-    lists all broken rules."""
+def check_all(cfg: DictConfig, world_size: int) -> None:
+    """Every config rule at once for the planned machine (on the composed config, as
+    :func:`recipes.schema.validate`); raises one :class:`ConfigError` that lists all broken rules."""
     problems = all_problems(cfg, world_size)
     if len(problems) == 1:
         raise problems[0]

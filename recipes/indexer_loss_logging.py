@@ -11,14 +11,13 @@ Layer numbers ``N`` are 1-based decoder layers; MTP layers continue after the la
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from kpool_layers.attention import collect_indexer_losses
 from recipes.drift_logging import logged_layer_number
+from recipes.schema import ModelConfig
 
 KEY = "dsa/indexer_loss"
 
@@ -26,11 +25,11 @@ KEY = "dsa/indexer_loss"
 class IndexerLossMonitor:
     """Collects, reduces and names the indexer loss of one model (all ranks call :meth:`collect`)."""
 
-    def __init__(self, model_cfg: Any, drift_interval: int) -> None:
+    def __init__(self, model_cfg: ModelConfig, drift_interval: int) -> None:
         self.enabled = bool(model_cfg.dsa_indexer_loss_coeff)
-        self.num_layers = int(model_cfg.num_layers)
-        self.total_layers = self.num_layers + int(model_cfg.mtp_num_layers or 0)
-        self.layer_interval = int(drift_interval)
+        self.num_layers = model_cfg.num_layers
+        self.total_layers = self.num_layers + model_cfg.mtp_num_layers
+        self.layer_interval = drift_interval
 
     def per_layer_due(self, step: int) -> bool:
         """Whether step ``step`` logs ``dsa/indexer_loss/layer_N``."""

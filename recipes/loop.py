@@ -1,10 +1,12 @@
 """The training loop: megatron-core's schedules, DDP, distributed optimizer, LR scheduler and
 dist checkpoints, driven by a composed config.
 
-``run(cfg, run_dir)`` is what ``train.py`` calls on every rank. It validates the config before
-anything expensive, starts the process groups, builds the model for this pipeline stage, resumes if
-asked, trains ``train.steps`` optimizer steps and writes ``metrics.jsonl`` / ``result.json`` /
-checkpoints into ``run_dir`` (rank 0 writes the files; every rank takes part in checkpoints).
+``run(composed, run_dir)`` is what ``train.py`` calls on every rank. It validates the composed
+DictConfig before anything expensive and converts it once into the schema's
+:class:`~recipes.schema.Config` (:mod:`recipes.typed_config`), which everything after takes; then
+it starts the process groups, builds the model for this pipeline stage, resumes if asked, trains
+``train.steps`` optimizer steps and writes ``metrics.jsonl`` / ``result.json`` / checkpoints into
+``run_dir`` (rank 0 writes the files; every rank takes part in checkpoints).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.core.transformer.module import Float16Module
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.device_copy import to_device
@@ -48,7 +50,8 @@ from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
 from recipes.run_result import RunResult
-from recipes.schema import validate
+from recipes.schema import Config, validate
+from recipes.typed_config import plain, to_config
 
 
 @dataclass
@@ -69,22 +72,17 @@ def _record(run_dir: Path, result: RunResult) -> None:
         result.write(run_dir)
 
 
-def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
+def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = None,
         wandb_group: Optional[str] = None) -> float:
-    """Train according to ``cfg``; returns the last step's loss (NaN for a dry run).
-    ``wandb_group``: the sweep's id when this run is a job of a sweep."""
+    """Train according to the ``composed`` config; returns the last step's loss (NaN for a dry
+    run). ``wandb_group``: the sweep's id when this run is a job of a sweep."""
     topo = distributed.launcher_topology()
-    # A dry run plans for the configured machine (nodes x gpus_per_node), not the launching one.
-    planned = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     try:
-        if cfg.train.dry_run:
-            check_all(cfg, planned)  # every broken rule at once
-        else:
-            validate(cfg, topo.world_size)
+        cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
         check_indexed_data(cfg.data, cfg.model.vocab_size)
         if not cfg.train.dry_run:
-            preflight(cfg, resume_lib.checkpoint_root(cfg, run_dir))
+            preflight(cfg, ckpt_root)
     except ValueError as err:
         if topo.rank == 0:
             RunResult.failed(str(err), overrides or []).write(run_dir)
@@ -94,7 +92,7 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan
-        final = _train(cfg, run_dir, overrides or [], tokenizer, wandb_group)
+        final = _train(cfg, run_dir, ckpt_root, overrides or [], tokenizer, wandb_group)
     except (Requeued, Preempted):
         raise  # result.json already says "preempted"; the requeued job resumes
     except BaseException as err:
@@ -105,7 +103,18 @@ def run(cfg: Any, run_dir: Path, overrides: Optional[list[str]] = None,
     return final
 
 
-def _build(cfg: Any) -> Trainer:
+def _checked(composed: DictConfig, run_dir: Path, world_size: int) -> tuple[Config, Path]:
+    """The validated config (a dry run: every broken rule at once, for the configured machine,
+    nodes x gpus_per_node) converted to the schema's :class:`~recipes.schema.Config`, and the
+    checkpoint root (from ``train.save`` as composed, before interpolation)."""
+    if composed.train.dry_run:
+        check_all(composed, composed.parallelism.nodes * composed.parallelism.gpus_per_node)
+    else:
+        validate(composed, world_size)
+    return to_config(composed), resume_lib.checkpoint_root(composed, run_dir)
+
+
+def _build(cfg: Config) -> Trainer:
     distributed.init_model_parallel(cfg.parallelism, cfg.train.seed)
     tcfg = to_transformer_config(cfg)
     model: torch.nn.Module = build_gpt_model(cfg, tcfg)
@@ -139,7 +148,7 @@ def _build(cfg: Any) -> Trainer:
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,
         lr_warmup_steps=t.lr_warmup_steps * t.global_batch_size,
         lr_decay_steps=t.steps * t.global_batch_size,
-        lr_decay_style=getattr(t.lr_decay_style, "value", t.lr_decay_style),
+        lr_decay_style=t.lr_decay_style.value,
         start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.steps * t.global_batch_size, wd_incr_style="constant",
     )
@@ -150,7 +159,7 @@ def _build(cfg: Any) -> Trainer:
                    t.global_batch_size // (t.micro_batch_size * dp), precision_rows)
 
 
-def packed_eod_id(cfg: Any, tokenizer: MegatronTokenizerBase) -> Optional[int]:
+def packed_eod_id(cfg: Config, tokenizer: MegatronTokenizerBase) -> Optional[int]:
     """The EOD token id when micro batches are packed documents (``data.reset_attention_mask``):
     each micro batch (one row) then runs as THD with ``cu_seqlens`` split after every EOD, so no
     query attends or selects keys across documents. ``None`` for plain causal batches."""
@@ -159,7 +168,7 @@ def packed_eod_id(cfg: Any, tokenizer: MegatronTokenizerBase) -> Optional[int]:
     return int(tokenizer.eod)
 
 
-def _batches(cfg: Any, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
+def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
     dataset = data_lib.build_train_dataset(
         d, tokenizer=tokenizer, seq_length=d.seq_length,
@@ -214,12 +223,11 @@ def _reduce_loss(reports: list[dict], device: torch.device) -> float:
     return (totals[0] / totals[1].clamp(min=1)).item()
 
 
-def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTokenizerBase,
-           wandb_group: Optional[str]) -> float:
+def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
+           tokenizer: MegatronTokenizerBase, wandb_group: Optional[str]) -> float:
     t = cfg.train
     reset_peak_memory(distributed.device())  # a sweep's earlier jobs ran in this process
-    plan = resume_lib.plan_resume(cfg, resume_lib.checkpoint_root(cfg, run_dir))  # before the build
-    ckpt_root = plan.root
+    plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
         _print0(message)
     trainer = _build(cfg)
@@ -234,8 +242,7 @@ def _train(cfg: Any, run_dir: Path, overrides: list[str], tokenizer: MegatronTok
     batches = _batches(cfg, progress.consumed_samples, tokenizer)
     eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
-    logger = MetricsLogger(run_dir, cfg.logging,
-                           OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), enabled=rank0,
+    logger = MetricsLogger(run_dir, cfg.logging, plain(cfg), enabled=rank0,
                            resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
     report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger)

@@ -1,4 +1,5 @@
-"""The one place where the composed Hydra config becomes megatron-core's transformer config.
+"""The one place where the composed config (the schema's ``Config``) becomes megatron-core's
+transformer config.
 
 ``model`` fields carry megatron's names and are copied unchanged; the few fields that megatron
 derives differently (dtype, the indexer key-norm precision, MoE layer pattern, grouped experts,
@@ -11,31 +12,24 @@ config as ``precision``; the dtype fields are derived from it.
 from __future__ import annotations
 
 import dataclasses
-from enum import Enum
-from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 
 from kpool_layers import dsa_kernels, model_facts
 from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_gemm import supports_policy
 from kpool_layers.precision import DType, PrecisionPolicy
+from recipes.schema import Config, ParallelismConfig
+from recipes.typed_config import plain
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
 _NOT_COPIED = {"name", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
                "moe_first_k_dense_layers", "mtp_num_layers", "moe_grouped_gemm"}
 
 
-def _plain(node: Any) -> dict[str, Any]:
-    """A group node as a dict of plain values (enums -> their string values)."""
-    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dataclasses.asdict(node)
-    return {k: (v.value if isinstance(v, Enum) else v) for k, v in raw.items()}
-
-
-def sequence_parallel(parallelism: Any) -> bool:
+def sequence_parallel(parallelism: ParallelismConfig) -> bool:
     """``parallelism.sequence_parallel``, where null means on exactly when TP > 1."""
     sp = parallelism.sequence_parallel
     return parallelism.tensor_model_parallel_size > 1 if sp is None else bool(sp)
@@ -51,11 +45,11 @@ def grouped_experts(model_grouped_gemm: bool | None, policy: PrecisionPolicy, on
     return bool(model_grouped_gemm)
 
 
-def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
-    """Composed config (``recipes.schema.Config`` or its DictConfig) -> ``GLMTransformerConfig``."""
-    model, par = _plain(cfg.model), cfg.parallelism
+def to_transformer_config(cfg: Config) -> GLMTransformerConfig:
+    """The composed config -> ``GLMTransformerConfig``."""
+    m, par = cfg.model, cfg.parallelism
     fields = {f.name for f in dataclasses.fields(GLMTransformerConfig)}
-    copied = {k: v for k, v in model.items() if k not in _NOT_COPIED}
+    copied = {k: v for k, v in plain(m).items() if k not in _NOT_COPIED}
     unknown = set(copied) - fields
     if unknown:
         raise KeyError(f"model keys without a megatron field: {sorted(unknown)}")
@@ -63,9 +57,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
     copied["dsa_kernels"] = dsa_kernels.resolve(
         copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
     policy = PrecisionPolicy.from_config(cfg.precision)
-    experts = model["num_moe_experts"]
-    moe_layer_freq = model_facts.moe_layer_freq(model["num_layers"], experts,
-                                                model["moe_first_k_dense_layers"])
+    experts = m.num_moe_experts
+    moe_layer_freq = model_facts.moe_layer_freq(m.num_layers, experts, m.moe_first_k_dense_layers)
     on_gpu = torch.cuda.is_available()
     return GLMTransformerConfig(
         **copied,
@@ -81,8 +74,8 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         # MoE layer pattern and router precision (GLM-5 routes in FP32).
         moe_layer_freq=moe_layer_freq,
         moe_router_dtype="fp32" if experts else None,
-        moe_grouped_gemm=grouped_experts(model["moe_grouped_gemm"], policy, on_gpu),
-        mtp_num_layers=model["mtp_num_layers"] or None,
+        moe_grouped_gemm=grouped_experts(m.moe_grouped_gemm, policy, on_gpu),
+        mtp_num_layers=m.mtp_num_layers or None,
         # Parallelism.
         tensor_model_parallel_size=par.tensor_model_parallel_size,
         pipeline_model_parallel_size=par.pipeline_model_parallel_size,
@@ -100,7 +93,7 @@ def to_transformer_config(cfg: Any) -> GLMTransformerConfig:
         params_dtype=policy.params_dtype,
         pipeline_dtype=policy.params_dtype,
         dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
-        deterministic_mode=bool(cfg.train.deterministic),
+        deterministic_mode=cfg.train.deterministic,
         # megatron's schedules hand the main loss's backward scale to the indexer loss through it.
         experimental_attention_variant_loss_scale_func=(
             IndexerLossAutoScaler.set_loss_scale if copied["dsa_indexer_loss_coeff"] else None),

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
-
 from torch import nn
 
+from kpool_layers.precision import DType
 from recipes.pipeline_layout import stage_layers
+from recipes.schema import Config
 
 GPU_SIZES_GB = {"80 GB (A100/H100)": 80, "141 GB (H200)": 141, "192 GB (B200)": 192}
 USABLE = 0.9
@@ -81,14 +81,14 @@ class RankSizes:
     distributed_optimizer: bool
 
     @classmethod
-    def of(cls, cfg: Any) -> "RankSizes":
+    def of(cls, cfg: Config) -> "RankSizes":
         p = cfg.parallelism
         world = p.nodes * p.gpus_per_node
         tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
         etp = p.expert_tensor_parallel_size or tp
         return cls(tp, pp, ep, etp, dp=max(world // (tp * pp * p.context_parallel_size), 1),
                    edp=max(world // (ep * etp * pp), 1),
-                   weight_bytes=2 if getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16" else 4,
+                   weight_bytes=2 if cfg.precision.dtype is DType.bf16 else 4,
                    distributed_optimizer=p.use_distributed_optimizer)
 
     @property
@@ -101,7 +101,7 @@ class RankSizes:
         return 12 / (self.edp if self.distributed_optimizer else 1)
 
 
-def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
+def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
     """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
     m, p, t = cfg.model, cfg.parallelism, cfg.train
     r = RankSizes.of(cfg)
@@ -139,7 +139,7 @@ def plan(cfg: Any, model: nn.Module) -> list[StageMemory]:
     return stages
 
 
-def report(cfg: Any, model: nn.Module) -> list[str]:
+def report(cfg: Config, model: nn.Module) -> list[str]:
     """Console lines: each stage's memory, the largest, and the verdict per GPU size."""
     p = cfg.parallelism
     stages = plan(cfg, model)

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from recipes.schema import LoggingConfig, WandbMode
+
 H200_BF16_TFLOPS = 756.0
 """Measured dense bf16 matmul rate of one H200 on the lent device machine (docs/benchmarks.md)."""
 
@@ -64,7 +66,7 @@ def wandb_key(key: str) -> str:
 class MetricsLogger:
     """Writes step records; a no-op on non-logging ranks."""
 
-    def __init__(self, run_dir: Path, logging_cfg: Any, full_config: dict[str, Any],
+    def __init__(self, run_dir: Path, logging_cfg: LoggingConfig, full_config: dict[str, Any],
                  enabled: bool, resume_step: int = 0, group: Optional[str] = None) -> None:
         """``resume_step``: the step the run continues from; records of later steps that an
         earlier, unfinished attempt logged are dropped from ``metrics.jsonl``. ``group``: the
@@ -78,13 +80,12 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_after(run_dir / "metrics.jsonl", resume_step)
         self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
-        mode = getattr(logging_cfg.mode, "value", logging_cfg.mode)
-        if mode != "disabled":
+        if logging_cfg.mode is not WandbMode.disabled:
             import wandb
 
             os.environ.setdefault("WANDB_SILENT", "true")
             self._wandb = wandb.init(
-                mode=mode, project=logging_cfg.project, entity=logging_cfg.entity,
+                mode=logging_cfg.mode.value, project=logging_cfg.project, entity=logging_cfg.entity,
                 name=logging_cfg.run_name or run_dir.name, dir=str(run_dir),
                 tags=list(logging_cfg.tags), config=full_config, id=_wandb_id(run_dir),
                 resume="allow", group=group,

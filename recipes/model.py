@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from megatron.core import parallel_state as ps
@@ -20,9 +20,10 @@ from kpool_layers.attention import glm_attention_spec
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.linears import assign_gpt_roles
 from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec
+from recipes.schema import Config
 
 
-def build_gpt_model(cfg: Any, tcfg: GLMTransformerConfig) -> GPTModel:
+def build_gpt_model(cfg: Config, tcfg: GLMTransformerConfig) -> GPTModel:
     """The ``GPTModel`` for this rank's pipeline stage (embedding on the first, head on the last),
     every linear tagged with its precision role (``kpool_layers.linears``)."""
     attention = glm_attention_spec(tcfg)

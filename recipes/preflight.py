@@ -12,10 +12,9 @@ from __future__ import annotations
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
-
+from kpool_layers.precision import DType
 from recipes.dry_run import analytic_param_count
-from recipes.schema import ConfigError
+from recipes.schema import Config, ConfigError
 
 _POSITIVE = ("ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim",
              "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_query_chunk_size",
@@ -23,7 +22,7 @@ _POSITIVE = ("ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v
 _TP_SPLIT = ("ffn_hidden_size", "vocab_size")
 
 
-def check_sizes(cfg: Any) -> None:
+def check_sizes(cfg: Config) -> None:
     """Raise :class:`ConfigError` naming the first size the build or a save cannot work with."""
     m = cfg.model
     tp = cfg.parallelism.tensor_model_parallel_size
@@ -49,12 +48,11 @@ def check_sizes(cfg: Any) -> None:
                               f"a multiple of parallelism.tensor_model_parallel_size={tp} (split over TP)")
 
 
-def checkpoint_bytes(cfg: Any) -> int:
+def checkpoint_bytes(cfg: Config) -> int:
     """Estimated size of one training checkpoint: the weights in the parameter dtype plus the
     distributed optimizer's fp32 main weights and Adam's two fp32 moments."""
     total, _ = analytic_param_count(cfg.model)
-    bf16 = getattr(cfg.precision.dtype, "value", cfg.precision.dtype) == "bf16"
-    return total * ((2 if bf16 else 4) + 12)
+    return total * ((2 if cfg.precision.dtype is DType.bf16 else 4) + 12)
 
 
 def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
@@ -74,7 +72,7 @@ def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
                           f"needed, {free / 2**30:.2f} GiB free")
 
 
-def preflight(cfg: Any, root: Path) -> None:
+def preflight(cfg: Config, root: Path) -> None:
     """All checks; raises :class:`ConfigError` before anything is built."""
     check_sizes(cfg)
     if cfg.train.save_interval or cfg.train.save_final:

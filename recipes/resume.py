@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from recipes import checkpoint as ckpt
 from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest, verify
+from recipes.schema import Config
+from recipes.typed_config import plain
 
 
 @dataclass
@@ -39,15 +41,12 @@ class ResumePlan:
     messages: list[str] = field(default_factory=list)
 
 
-def composed(cfg: Any) -> dict[str, Any]:
-    """The composed config as plain data (what a manifest records)."""
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-
-
-def checkpoint_root(cfg: Any, run_dir: Path) -> Path:
+def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path:
     """``train.save`` or ``<run dir>/checkpoints``. In a Hydra multirun a ``train.save`` that is not
     per job (no interpolation, not inside the job's dir) gets the job's sub-directory appended, so
-    that jobs never share (and prune or resume) each other's checkpoints."""
+    that jobs never share (and prune or resume) each other's checkpoints. Takes the composed
+    DictConfig: whether ``train.save`` was an interpolation is gone once it is converted to the
+    schema's ``Config`` (:func:`recipes.typed_config.to_config` resolves it)."""
     save = cfg.train.save
     if not save:
         return run_dir / "checkpoints"
@@ -122,10 +121,10 @@ def _auto(root: Path, messages: list[str]) -> tuple[Optional[Path], list[Path]]:
     return None, []
 
 
-def plan_resume(cfg: Any, root: Path) -> ResumePlan:
+def plan_resume(cfg: Config, root: Path) -> ResumePlan:
     """Decide (on every rank, collectively: verification hashes in parallel) what to resume."""
     t = cfg.train
-    current = composed(cfg)
+    current = plain(cfg)
     messages: list[str] = []
     explicit = t.resume not in ("auto", "none")
     fallbacks: list[Path] = []
@@ -160,13 +159,13 @@ def plan_resume(cfg: Any, root: Path) -> ResumePlan:
     return ResumePlan(root, path, ckpt.Owner(lineage, current), explicit, fallbacks, messages)
 
 
-def check_load(cfg: Any) -> list[str]:
+def check_load(cfg: Config) -> list[str]:
     """Before the build: ``train.load`` verifies and matches the model; returns notes to print."""
     path = Path(cfg.train.load)
     if not path.is_dir():
         raise CheckpointError(f"train.load={cfg.train.load!r}: no such checkpoint directory")
     messages: list[str] = []
-    _check_config(path, verify(path), composed(cfg), resume=False, messages=messages)
+    _check_config(path, verify(path), plain(cfg), resume=False, messages=messages)
     return messages
 
 

@@ -25,11 +25,12 @@ from typing import Any, Iterator, Optional
 
 import torch
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig
 
 from kpool_layers import model_facts
 from kpool_layers.dsa_kernels import Backend as DsaKernels
 from kpool_layers.grouped_gemm import FP8_RECIPES
-from kpool_layers.precision import PrecisionPolicy, available_backends
+from kpool_layers.precision import PrecisionPolicy, WeightsProjDtype, available_backends
 
 
 class ConfigError(ValueError):
@@ -358,7 +359,7 @@ def numeric_fields(schema: type = Config, prefix: str = "") -> Iterator[tuple[st
             yield prefix + f.name, f
 
 
-def check_ranges(cfg: Any) -> None:
+def check_ranges(cfg: DictConfig) -> None:
     """Raise :class:`ConfigError` for a numeric value outside its field's declared :class:`Range`."""
     for key, f in numeric_fields():
         node = cfg
@@ -384,9 +385,10 @@ def _check_world_size(world_size: int, tp: int, pp: int, cp: int) -> None:
             return
 
 
-def validate(cfg: Any, world_size: int) -> None:
-    """Checks on a composed config (``Config`` or a DictConfig of it): every key exists in the
-    schema, every number is in its field's range, then the cross-field rules.
+def validate(cfg: DictConfig, world_size: int) -> None:
+    """Checks on the composed config (as Hydra composed it, before
+    :func:`recipes.typed_config.to_config`): every key exists in the schema, every number is in
+    its field's range, then the cross-field rules.
 
     Raises :class:`ConfigError` naming the first offending key. Runs before any model is built.
     """
@@ -397,7 +399,7 @@ def validate(cfg: Any, world_size: int) -> None:
     _check_rules(cfg, world_size)
 
 
-def all_problems(cfg: Any, world_size: int) -> list[ConfigError]:
+def all_problems(cfg: DictConfig, world_size: int) -> list[ConfigError]:
     """Every rule of :func:`validate` that ``cfg`` breaks (a dry run lists them all at once); an
     unknown key or a value out of range is reported alone (the other rules assume sane values)."""
     from recipes.config_keys import check_config_keys
@@ -415,7 +417,7 @@ def all_problems(cfg: Any, world_size: int) -> list[ConfigError]:
         _found.reset(token)
 
 
-def _check_rules(cfg: Any, world_size: int) -> None:
+def _check_rules(cfg: DictConfig, world_size: int) -> None:
     """The cross-field rules (each failure raised, or collected under :func:`all_problems`)."""
     m, p, t, d = cfg.model, cfg.parallelism, cfg.train, cfg.data
     tp, pp, cp, ep = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
@@ -475,7 +477,7 @@ def _check_rules(cfg: Any, world_size: int) -> None:
     _validate_kernels(cfg)
 
 
-def _check_context_parallel(m: Any, d: Any, cp: int, sp: int) -> None:
+def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:
     """CP > 1: the row splits into 2 * CP equal chunks (megatron's load-balanced split), each CP
     rank's slice into ``sp`` (the TP size under sequence parallelism, else 1) equal parts; MTP's
     packed-document roll assumes megatron's per-document split, which ours (per row) is not."""
@@ -490,17 +492,17 @@ def _check_context_parallel(m: Any, d: Any, cp: int, sp: int) -> None:
                           "split); set model.mtp_num_layers=0 or data.reset_attention_mask=false"))
 
 
-def _validate_kernels(cfg: Any) -> None:
+def _validate_kernels(cfg: DictConfig) -> None:
     """``model.dsa_kernels``: resolvable, runnable here (unless a dry run plans for another
     machine), supported for the model's shapes and deterministic under ``train.deterministic``."""
     from kpool_layers import dsa_kernels
 
     m = cfg.model
-    requested = _value(m.dsa_kernels)
+    requested = m.dsa_kernels.value
     on_device = not cfg.train.dry_run
     backend = dsa_kernels.resolve(requested, on_device=None if on_device else False)
     shapes = dsa_kernels.KernelShapes(
-        dtype=torch.bfloat16 if _value(cfg.precision.dtype) == "bf16" else torch.float32,
+        dtype=cfg.precision.dtype.torch_dtype,
         kv_lora_rank=m.kv_lora_rank, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
         dsa_indexer_head_dim=m.dsa_indexer_head_dim)
     try:
@@ -511,31 +513,27 @@ def _validate_kernels(cfg: Any) -> None:
         _fail(ConfigError("model.dsa_kernels", shown, f"{list(dsa_kernels.BACKENDS)}; {err}"))
 
 
-def _value(x: Any) -> Any:
-    return getattr(x, "value", x)
-
-
-def _validate_precision(cfg: Any) -> None:
+def _validate_precision(cfg: DictConfig) -> None:
     """``precision.*`` rules: backend available here, FP8 layer shapes, serving-quantized index
     inputs only for power-of-two indexer heads <= 128, drift settings."""
     pr, m = cfg.precision, cfg.model
-    backend = _value(pr.backend)
+    backend = pr.backend.value
     if pr.fp8:
         if not cfg.train.dry_run:  # a dry run plans for another machine
             usable = [b.value for b in available_backends()]
             _require(backend == "auto" or backend in usable, "precision.backend", backend,
                      f"auto or one available here: {usable}")
-        _require(not (m.num_moe_experts and m.moe_grouped_gemm and _value(pr.recipe) not in FP8_RECIPES),
+        _require(not (m.num_moe_experts and m.moe_grouped_gemm and pr.recipe not in FP8_RECIPES),
                  "model.moe_grouped_gemm", True,
-                 f"false with precision.fp8=true and precision.recipe={_value(pr.recipe)} (grouped FP8 experts "
+                 f"false with precision.fp8=true and precision.recipe={pr.recipe.value} (grouped FP8 experts "
                  f"run precision.recipe in {[r.value for r in FP8_RECIPES]})")
-    if (pr.fp8 and _value(pr.dsa_indexer_weights_proj_dtype) == "fp32"
+    if (pr.fp8 and pr.dsa_indexer_weights_proj_dtype is WeightsProjDtype.fp32
             and not pr.dsa_indexer_weights_proj_disable_quantization):
         _fail(ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,
                           "true when precision.dsa_indexer_weights_proj_dtype=fp32 and precision.fp8=true "
                           "(an FP32 projection cannot also be an FP8 GEMM)"))
     interval = pr.drift.interval
-    serving_ref = interval > 0 and _value(pr.drift.reference) == "serving"
+    serving_ref = interval > 0 and pr.drift.reference is DriftReference.serving
     if pr.dsa_indexer_kpool_use_quantization or serving_ref:
         d = m.dsa_indexer_head_dim
         key = ("precision.dsa_indexer_kpool_use_quantization=true" if pr.dsa_indexer_kpool_use_quantization
@@ -545,7 +543,7 @@ def _validate_precision(cfg: Any) -> None:
                  "quantizes one Hadamard-rotated head_dim vector per scale")
 
 
-def _check_stages(m: Any, p: Any) -> None:
+def _check_stages(m: DictConfig, p: DictConfig) -> None:
     """Pipeline stages: megatron can split the layers that way, and under IndexShare every stage
     starts on a top-k computing layer (see :mod:`recipes.pipeline_layout`)."""
     from recipes import pipeline_layout as pl

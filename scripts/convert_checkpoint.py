@@ -103,9 +103,11 @@ def meta_sharded_state_dict(model_cfg: DictConfig) -> tuple[dict[str, Any], dict
     the shape of every state-dict tensor (expert shards carry an extra leading axis)."""
     from recipes.megatron_config import to_transformer_config
     from recipes.model import build_gpt_model, meta_init
+    from recipes.typed_config import to_config
 
     init_single_rank()
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), {"model": model_cfg, "precision": {"dtype": "fp32"}})
+    cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config),
+                                    {"model": model_cfg, "precision": {"dtype": "fp32"}}))
     tcfg = to_transformer_config(cfg)
     with meta_init(tcfg):
         model = build_gpt_model(cfg, tcfg)

@@ -305,9 +305,10 @@ def test_unwritable_or_full_save_directory_fails_first(train: Train, tmp_path: P
 
 def test_checkpoint_size_estimate_matches_a_real_checkpoint(three_checkpoints: Path) -> None:
     from recipes.preflight import checkpoint_bytes
+    from recipes.typed_config import to_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=FAST)
+        cfg = to_config(compose(config_name="config", overrides=FAST))
     real = sum(p.stat().st_size for p in (three_checkpoints / "checkpoints" / "iter_0000003").rglob("*"))
     assert 0.8 < checkpoint_bytes(cfg) / real < 1.25
 

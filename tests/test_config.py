@@ -16,6 +16,7 @@ from recipes.distributed import register_resolvers
 from recipes.megatron_config import to_transformer_config
 from recipes.config_keys import UnknownKeyError, check_overrides
 from recipes.schema import ConfigError, numeric_fields, register_configs, validate
+from recipes.typed_config import to_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -46,7 +47,7 @@ def test_every_option_composes(group: str, option: str) -> None:
             validate(cfg, world)
         return
     validate(cfg, world)
-    tcfg = to_transformer_config(cfg)
+    tcfg = to_transformer_config(to_config(cfg))
     assert tcfg.num_layers == cfg.model.num_layers
     assert tcfg.q_lora_rank == cfg.model.q_lora_rank
     assert tcfg.dsa_indexer_kpool == cfg.model.dsa_indexer_kpool
@@ -55,15 +56,14 @@ def test_every_option_composes(group: str, option: str) -> None:
 def test_indexer_loss_scale_callback_is_installed_on_the_config() -> None:
     """megatron's schedules hand the loss scale to the indexer loss through the config's callback:
     set once when the config is made, iff the indexer loss is on."""
-    off = to_transformer_config(_compose(["model=glm5_tiny"]))
-    on = to_transformer_config(_compose(["model=glm5_tiny", "model.dsa_indexer_loss_coeff=0.5"]))
+    off = to_transformer_config(to_config(_compose(["model=glm5_tiny"])))
+    on = to_transformer_config(to_config(_compose(["model=glm5_tiny", "model.dsa_indexer_loss_coeff=0.5"])))
     assert off.experimental_attention_variant_loss_scale_func is None
     assert on.experimental_attention_variant_loss_scale_func == IndexerLossAutoScaler.set_loss_scale
 
 
 def test_model_fields_map_one_to_one() -> None:
-    cfg = _compose(["model=glm5_2", "precision=bf16"])
-    tcfg = to_transformer_config(cfg)
+    tcfg = to_transformer_config(to_config(_compose(["model=glm5_2", "precision=bf16"])))
     assert (tcfg.hidden_size, tcfg.kv_lora_rank, tcfg.qk_head_dim, tcfg.v_head_dim) == (6144, 512, 192, 256)
     assert (tcfg.dsa_indexer_topk_freq, tcfg.dsa_indexer_skip_topk_offset) == (4, 3)
     assert tcfg.moe_layer_freq == [0, 0, 0] + [1] * 75
@@ -256,6 +256,6 @@ def test_uneven_stages_build_their_own_layer_counts() -> None:
     cfg = _compose(["parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=1",
                     "parallelism.num_layers_in_last_pipeline_stage=3"])
     validate(cfg, 2)
-    tcfg = to_transformer_config(cfg)
+    tcfg = to_transformer_config(to_config(cfg))
     attention = glm_attention_spec(tcfg)
     assert [len(glm_decoder_block_spec(tcfg, attention, pp_rank=r).layer_specs) for r in (0, 1)] == [1, 3]

@@ -27,20 +27,12 @@ from recipes.data import (
     packed_seq_params_from_eod,
 )
 from recipes.data_checks import check_indexed_data
-from recipes.schema import ConfigError
+from recipes.schema import ConfigError, DataConfig, DataKind
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"
 ALPHA = [f"alpha document {i}: the quick brown fox jumps {i} times over the dog." for i in range(40)]
 BETA = [f"beta record {i} says hello world, number {i * 7}!" for i in range(40)]
-
-
-def _cfg(**overrides) -> SimpleNamespace:
-    base = dict(
-        kind="mock", paths=[], split="969,30,1", tokenizer=None, reset_position_ids=False,
-        reset_attention_mask=False, eod_mask_loss=False, cache_dir=None, num_workers=0,
-    )
-    return SimpleNamespace(**{**base, **overrides})
 
 
 def _load_script():
@@ -77,7 +69,7 @@ def corpus(tmp_path_factory) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def mock_dataset():
-    cfg = _cfg()
+    cfg = DataConfig()
     return build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 128), seq_length=16,
                                num_samples=64, seed=7)
 
@@ -102,7 +94,7 @@ def test_mock_dataset_shapes_and_seed_determinism(mock_dataset):
     assert batch["loss_mask"].dtype == torch.float32
     assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
     assert int(batch["tokens"].max()) < 128
-    cfg = _cfg()
+    cfg = DataConfig()
     tok = build_tokenizer(cfg, 128)
     assert tok.eod == 127
     again = build_train_dataset(cfg, tokenizer=tok, seq_length=16, num_samples=64, seed=7)
@@ -174,7 +166,7 @@ def test_preprocess_cli_with_workers_matches_in_process(corpus, tmp_path):
 
 
 def test_indexed_dataset_tokens_decode_to_corpus_text(corpus, tmp_path):
-    cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], split="1,0,0",
+    cfg = DataConfig(kind=DataKind.indexed, paths=[corpus.prefixes["alpha"]], split="1,0,0",
                tokenizer=str(corpus.tok_dir), reset_position_ids=True, reset_attention_mask=True,
                eod_mask_loss=True, cache_dir=str(tmp_path / "cache"))
     tok = build_tokenizer(cfg, vocab_size=300)
@@ -192,7 +184,7 @@ def test_indexed_dataset_tokens_decode_to_corpus_text(corpus, tmp_path):
 
 
 def test_blended_paths_follow_weights(corpus, tmp_path):
-    cfg = _cfg(kind="indexed", split="1,0,0", tokenizer=str(corpus.tok_dir / "tokenizer.json"),
+    cfg = DataConfig(kind=DataKind.indexed, split="1,0,0", tokenizer=str(corpus.tok_dir / "tokenizer.json"),
                paths=["0.7", corpus.prefixes["alpha"], "0.3", corpus.prefixes["beta"]],
                cache_dir=str(tmp_path / "cache"))
     ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
@@ -222,7 +214,7 @@ def test_eod_from_tokenizer_config_or_known_names(corpus, tmp_path):
 
 
 def test_tokenizer_larger_than_the_embedding_is_a_config_error(corpus):
-    cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], tokenizer=str(corpus.tok_dir))
+    cfg = DataConfig(kind=DataKind.indexed, paths=[corpus.prefixes["alpha"]], tokenizer=str(corpus.tok_dir))
     assert build_tokenizer(cfg, 300).vocab_size == 300
     with pytest.raises(ConfigError, match=r"data.tokenizer=.*model.vocab_size=299 ids \(this one has 300\)"):
         build_tokenizer(cfg, 299)
@@ -230,7 +222,7 @@ def test_tokenizer_larger_than_the_embedding_is_a_config_error(corpus):
 
 def test_indexed_needs_a_tokenizer():
     with pytest.raises(ValueError, match="needs data.tokenizer"):
-        build_tokenizer(_cfg(kind="indexed", paths=["x"]), 128)
+        build_tokenizer(DataConfig(kind=DataKind.indexed, paths=["x"]), 128)
 
 
 @pytest.mark.parametrize(
@@ -280,15 +272,15 @@ def test_missing_helpers_without_makefile_raise(monkeypatch):
 def test_small_corpus_with_the_default_split_does_not_hang(corpus, tmp_path):
     """40 documents with split 969,30,1 leave the test split 0 documents; megatron would loop
     forever building it (at 100% CPU). Only the train split is built."""
-    cfg = _cfg(kind="indexed", paths=[corpus.prefixes["alpha"]], split="969,30,1",
+    cfg = DataConfig(kind=DataKind.indexed, paths=[corpus.prefixes["alpha"]], split="969,30,1",
                tokenizer=str(corpus.tok_dir), cache_dir=str(tmp_path / "cache"))
     ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
                              num_samples=20, seed=1)
     assert len(ds) >= 20
 
 
-def _indexed(prefix: str, split: str = "969,30,1") -> SimpleNamespace:
-    return _cfg(kind="indexed", paths=[prefix], split=split)
+def _indexed(prefix: str, split: str = "969,30,1") -> DataConfig:
+    return DataConfig(kind=DataKind.indexed, paths=[prefix], split=split)
 
 
 def test_split_without_train_documents_names_data_split(corpus):

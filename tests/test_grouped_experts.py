@@ -354,6 +354,7 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
     from recipes.megatron_config import to_transformer_config
     from recipes.model import build_gpt_model
     from recipes.schema import register_configs
+    from recipes.typed_config import to_config
     from tests.test_precision_profiles import CONF
 
     register_resolvers()
@@ -361,8 +362,8 @@ def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parall
     models = {}
     for grouped in (False, True):
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=[
-                "model=glm5_tiny", "precision=fp32", f"model.moe_grouped_gemm={str(grouped).lower()}"])
+            cfg = to_config(compose(config_name="config", overrides=[
+                "model=glm5_tiny", "precision=fp32", f"model.moe_grouped_gemm={str(grouped).lower()}"]))
         tcfg = to_transformer_config(cfg)
         assert tcfg.moe_grouped_gemm is grouped
         torch.manual_seed(int(grouped))  # different initial weights

@@ -61,8 +61,10 @@ def our_model(model_cfg, ckpt: Path):
     from recipes.megatron_config import to_transformer_config
     from recipes.model import build_gpt_model
     from recipes.schema import Config
+    from recipes.typed_config import to_config
 
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), {"model": model_cfg, "precision": {"dtype": "fp32"}})
+    cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config),
+                                    {"model": model_cfg, "precision": {"dtype": "fp32"}}))
     tcfg = to_transformer_config(cfg)
     model = build_gpt_model(cfg, tcfg).float().eval()
     load_weights(ckpt, model)

@@ -17,7 +17,8 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 
 from kpool_layers import model_facts
 from recipes.distributed import register_resolvers
-from recipes.schema import register_configs
+from recipes.schema import Config, register_configs
+from recipes.typed_config import to_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -69,9 +70,9 @@ def test_kpool_validity(kpool: int, topk: int | None, problem: str | None) -> No
     assert (found and found[0]) == problem
 
 
-def _compose(overrides: list[str]):
+def _compose(overrides: list[str]) -> Config:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides + ["precision=fp32"])
+        return to_config(compose(config_name="config", overrides=overrides + ["precision=fp32"]))
 
 
 def test_config_methods_use_the_facts() -> None:

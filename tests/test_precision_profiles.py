@@ -26,6 +26,7 @@ from recipes.megatron_config import to_transformer_config
 from recipes.model import build_gpt_model
 from recipes.precision_setup import PROFILES_DIR, precision_map, profile_policy
 from recipes.schema import ConfigError, register_configs, validate
+from recipes.typed_config import to_config
 from tests.test_indexer import tiny_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -46,8 +47,9 @@ def _compose(overrides: list[str]):
 
 
 def _build(overrides: list[str]):
-    cfg = _compose(["model=glm5_tiny", "data.seq_length=64", *overrides])
-    validate(cfg, 1)
+    composed = _compose(["model=glm5_tiny", "data.seq_length=64", *overrides])
+    validate(composed, 1)
+    cfg = to_config(composed)
     tcfg = to_transformer_config(cfg)
     torch.manual_seed(0)
     model = build_gpt_model(cfg, tcfg).to(tcfg.params_dtype)
@@ -226,7 +228,7 @@ def test_each_profile_yaml_builds_its_policy(name):
     policy = profile_policy(name)
     assert policy == PROFILE_POLICIES[name]
     assert PrecisionPolicy.from_config(_compose([f"precision={name}"]).precision) == policy
-    assert to_transformer_config(_compose([f"precision={name}"])).precision == policy
+    assert to_transformer_config(to_config(_compose([f"precision={name}"]))).precision == policy
 
 
 def test_overrides_reach_the_policy():

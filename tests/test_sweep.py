@@ -175,6 +175,7 @@ def test_wandb_keys_are_grouped_and_sweeps_share_a_group(tmp_path, monkeypatch):
     import wandb
 
     from recipes.metrics import MetricsLogger
+    from recipes.schema import LoggingConfig, WandbMode
 
     logged, init = [], {}
 
@@ -186,7 +187,7 @@ def test_wandb_keys_are_grouped_and_sweeps_share_a_group(tmp_path, monkeypatch):
             pass
 
     monkeypatch.setattr(wandb, "init", lambda **kwargs: init.update(kwargs) or FakeRun())
-    cfg = type("L", (), dict(mode="offline", project="p", entity=None, run_name=None, tags=[]))
+    cfg = LoggingConfig(mode=WandbMode.offline, project="p")
     logger = MetricsLogger(tmp_path, cfg, {}, enabled=True, group="2026-12-01_10-00-00_42")
     logger.log(1, {"loss": 2.0, "grad_norm": 1.0, "lr": 0.1, "tokens_per_s": 5.0, "mfu": 0.1,
                    "peak_mem_gib": 3.0, "dsa/topk_overlap": 0.9})

@@ -36,6 +36,7 @@ from recipes import distributed, loop
 from recipes.distributed import register_resolvers
 from recipes.dry_run import flop_model
 from recipes.schema import register_configs
+from recipes.typed_config import to_config
 
 
 def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
@@ -73,7 +74,7 @@ def main() -> None:
     register_configs()
     conf = Path(__file__).resolve().parents[2] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = compose("config", overrides=overrides + ["logging.mode=disabled"])
+        cfg = to_config(compose("config", overrides=overrides + ["logging.mode=disabled"]))
     os.environ.setdefault("KPOOL_RUN_ID", "profile")
     distributed.init_process_group(distributed.launcher_topology())
     trainer = loop._build(cfg)
