@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,14 @@ def offline_run(tmp_path, monkeypatch):
         row["note"] = "x" * 400
         run.log(row, step=step)
     run.finish()
+    # wandb's service process writes the file; on a loaded machine it can still be appending the
+    # last records when finish() returns (seen with 2 cores at load ~7): wait for them, bounded.
+    report, deadline = _load_report_module(), time.monotonic() + 120
+    while time.monotonic() < deadline:
+        files = report.find_run_files(tmp_path)
+        if len(files) == 1 and len(report.read_history(files[0])) == 120:
+            break
+        time.sleep(0.2)
     return tmp_path
 
 

@@ -44,7 +44,9 @@ def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
     ``frames`` frames in kpool_layers/, recipes/ or megatron/), most frequent first."""
     counts: collections.Counter[str] = collections.Counter()
 
-    def record(*_args: object, **_kwargs: object) -> None:
+    def record(message: Warning | str, *_args: object, **_kwargs: object) -> None:
+        if "synchroniz" not in str(message):  # other warnings raised during the step
+            return
         ours = [f for f in traceback.extract_stack()
                 if any(part in f.filename for part in ("kpool_layers", "recipes", "megatron"))]
         counts[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:frames])] += 1
