@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Optional
 
-import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
@@ -482,7 +481,7 @@ def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> N
     rank's slice into ``sp`` (the TP size under sequence parallelism, else 1) equal parts; MTP's
     packed-document roll assumes megatron's per-document split, which ours (per row) is not."""
     _require(d.seq_length % (2 * cp * sp) == 0, "data.seq_length", d.seq_length,
-             f"a multiple of 2 * parallelism.context_parallel_size"
+             "a multiple of 2 * parallelism.context_parallel_size"
              + (" * tensor_model_parallel_size (sequence parallel)" if sp > 1 else "")
              + f" = {2 * cp * sp} (each CP rank holds 2 of {2 * cp} equal chunks)")
     if m.mtp_num_layers and d.reset_attention_mask:

@@ -1,6 +1,6 @@
 """Tile helpers shared by the Triton sparse-MLA kernels (:mod:`.sparse_mla_triton`, gathered key
-rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): row loads split into the value
-and tail (rope) channels, and the scores over both."""
+rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): a query row's valid slots, row
+loads split into the value and tail (rope) channels, and the scores over both."""
 
 from __future__ import annotations
 
@@ -41,6 +41,24 @@ def scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
     if T > 0:
         sc += tl.dot(qt, tl.trans(kt), input_precision=PREC)
     return sc
+
+
+@triton.jit
+def selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
+                   HAS_QPOS: tl.constexpr):
+    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query row ``(bi, i)``:
+    ``KSTART[i] <= key <= QPOS[i]`` (0 and ``i`` when absent)."""
+    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
+    if HAS_KSTART:
+        lowest = tl.load(KSTART + i).to(tl.int64)
+    else:
+        lowest = 0
+    if HAS_QPOS:
+        highest = tl.load(QPOS + i).to(tl.int64)
+    else:
+        highest = i
+    valid = (keys >= lowest) & (keys <= highest) & (slots < W)
+    return tl.where(valid, keys, 0), valid
 
 
 def pow2(x: int) -> int:

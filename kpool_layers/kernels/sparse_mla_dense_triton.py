@@ -43,7 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers.kernels.mla_tiles_triton import LOG2E, load_rows, load_value_rows, pow2, scores
+from kpool_layers.kernels.mla_tiles_triton import (
+    LOG2E, load_rows, pow2, scores, selected_slots)
 
 DENSE_HEAD_KEYS_PER_SLOT = 256
 """:func:`dense_pays` while ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
@@ -73,29 +74,20 @@ def _mask_kernel(IDX, KSTART, QPOS, BITS, S, W, NW, si_b, si_s, BW: tl.constexpr
     bi = t // S
     i = t % S
     slots = tl.program_id(1) * BW + tl.arange(0, BW)
-    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
-    if HAS_KSTART:
-        lowest = tl.load(KSTART + i).to(tl.int64)
-    else:
-        lowest = 0
-    if HAS_QPOS:
-        highest = tl.load(QPOS + i).to(tl.int64)
-    else:
-        highest = i
-    valid = (keys >= lowest) & (keys <= highest) & (slots < W)
-    keys = tl.where(valid, keys, 0)
+    keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+                                 HAS_QPOS)
     bit = tl.full([BW], 1, tl.int32) << (keys & 31).to(tl.int32)
     tl.atomic_or(BITS + t * NW + (keys >> 5), bit, mask=valid)
 
 
 @triton.jit
 def _row_block(pid_q, pid_h, S, N, BQ: tl.constexpr, BH: tl.constexpr):
-    """Token and head of each of the ``BQ * BH`` rows of a query block (token-major) and their
-    masks."""
+    """Token and head of each of the ``BQ * BH`` rows of a query block (token-major) and the rows'
+    mask."""
     r = tl.arange(0, BQ * BH)
     tok = pid_q * BQ + r // BH
     head = pid_h * BH + r % BH
-    return tok, head, tok < S, (tok < S) & (head < N)
+    return tok, head, (tok < S) & (head < N)
 
 
 @triton.jit
@@ -131,7 +123,7 @@ def _fwd_kernel(Q, KV, BITS, KSTART, QPOS, O, LSE, S, S_KV, B, N, NW, scale_log2
                 HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
     bi = tl.program_id(0) % B
     pid_q = tl.program_id(0) // B
-    tok, head, tmask, rmask = _row_block(pid_q, tl.program_id(1), S, N, BQ, BH)
+    tok, head, rmask = _row_block(pid_q, tl.program_id(1), S, N, BQ, BH)
     q, qt = load_rows(Q + bi * sq_b, tok * sq_s + head * sq_h, rmask, V, T, BV, BT)
     row_word = (bi * S + tok).to(tl.int64) * NW
     n_lo, hi = _key_span(KSTART, QPOS, pid_q * BQ, S, BQ, BN, HAS_KSTART, HAS_QPOS)

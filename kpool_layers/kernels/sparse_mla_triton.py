@@ -67,7 +67,8 @@ import triton
 import triton.language as tl
 
 from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
-from kpool_layers.kernels.mla_tiles_triton import LOG2E, load_rows, load_value_rows, pow2, scores
+from kpool_layers.kernels.mla_tiles_triton import (
+    LOG2E, load_rows, load_value_rows, pow2, scores, selected_slots)
 from kpool_layers.sparse_attention import check_layouts
 
 Layout = Literal["auto", "gather", "dense"]
@@ -75,24 +76,6 @@ Layout = Literal["auto", "gather", "dense"]
 
 PARTIAL_BUFFER_BYTES = 1 << 30
 """Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
-
-@triton.jit
-def _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
-                    HAS_QPOS: tl.constexpr):
-    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query row ``(bi, i)``:
-    ``KSTART[i] <= key <= QPOS[i]`` (0 and ``i`` when absent)."""
-    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
-    if HAS_KSTART:
-        lowest = tl.load(KSTART + i).to(tl.int64)
-    else:
-        lowest = 0
-    if HAS_QPOS:
-        highest = tl.load(QPOS + i).to(tl.int64)
-    else:
-        highest = i
-    valid = (keys >= lowest) & (keys <= highest) & (slots < W)
-    return tl.where(valid, keys, 0), valid
-
 
 @triton.jit
 def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
@@ -126,7 +109,7 @@ def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BV], tl.float32)
     for k0 in range(0, W, BK):
-        keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
+        keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
                                       si_s, HAS_KSTART, HAS_QPOS)
         if SKIP_EMPTY:
             if tl.max(valid.to(tl.int32), 0) > 0:
@@ -192,7 +175,7 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scal
     dq = tl.zeros([BH, BV], tl.float32)
     dqt = tl.zeros([BH, BT], tl.float32)
     for k0 in range(0, W, BK):
-        keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
+        keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
                                       si_s, HAS_KSTART, HAS_QPOS)
         if SKIP_EMPTY:
             if tl.max(valid.to(tl.int32), 0) > 0:
@@ -221,7 +204,7 @@ def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PART, t0, S, B
     bi = t // S
     i = t % S
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+    keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
                                   HAS_QPOS)
     if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
         k, kt = load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
@@ -263,7 +246,7 @@ def _slot_probs_kernel(Q, KV, IDX, KSTART, QPOS, LSE, PROBS, S, B, N, W, scale_l
     bi = t // S
     i = t % S
     slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    keys, valid = _selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+    keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
                                   HAS_QPOS)
     total = tl.zeros([BK], tl.float32)
     if tl.max(valid.to(tl.int32), 0) > 0:
