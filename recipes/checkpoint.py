@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from kpool_layers.grouped_experts import check_resumable_experts, experts_module
 from recipes.checkpoint_manifest import CheckpointError, read_manifest, write_manifest
+from recipes.optimizer import adam_step, inner_optimizers
 
 LATEST = "latest"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -183,13 +184,12 @@ def prune(root: Path, keep: int, lineage: str) -> list[Path]:
 def _materialize_adam_state(optimizer: Any) -> None:
     """Give every parameter of a fresh torch Adam its (zero) state so that megatron's distributed
     optimizer can describe the state it is about to load (it reads ``state[p]["step"]``)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
+    for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
             for param in group["params"]:
                 state = inner.state[param]
                 if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["step"] = adam_step(0, param, group)
                     state["exp_avg"] = torch.zeros_like(param)
                     state["exp_avg_sq"] = torch.zeros_like(param)
 
@@ -202,9 +202,11 @@ def _restore_adam_steps(optimizer: Any, step: int) -> None:
     shares one), which breaks Adam's bias correction after a resume. Every step of ours updates
     every parameter (the distributed optimizer gives each main parameter a gradient, and bf16/fp32
     training skips no steps), so the count is the completed step count."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for state in opt.optimizer.state.values():
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if param in inner.state:
+                    inner.state[param]["step"] = adam_step(step, param, group)
 
 
 def _tensor_keys(model_sd: dict[str, Any]) -> set[str]:

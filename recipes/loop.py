@@ -23,7 +23,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tokenizers import MegatronTokenizerBase
@@ -38,6 +37,7 @@ from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.console import duration
 from recipes.data_checks import check_indexed_data
+from recipes.optimizer import build_optimizer
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import check_all, dry_run, flop_model
 from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
@@ -134,15 +134,7 @@ def _build(cfg: Config) -> Trainer:
     )
     ddp = DistributedDataParallel(tcfg, ddp_config, model)
     t = cfg.train
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps,
-            clip_grad=t.clip_grad, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype,
-            use_distributed_optimizer=par.use_distributed_optimizer,
-        ),
-        [ddp],
-    )
+    optimizer = build_optimizer(ddp, t, par, bf16=tcfg.bf16, params_dtype=tcfg.params_dtype)
     dp = ps.get_data_parallel_world_size()
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr,

@@ -9,8 +9,10 @@ Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one
 memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernel launches per step and
 per micro-batch, the top operators by self device time, self CPU time on CPU). With
 ``--sync-sites`` one more step runs under CUDA's sync debug mode and the host synchronizations
-are counted by call site (the innermost frames in this project and megatron). ``--out`` writes
-the figures as JSON.
+are counted by call site (the innermost frames in this project and megatron). With
+``--ops-by-module`` one more step runs under :class:`tests.op_counts.OwnOps`: the aten ops (each at
+least one kernel; Triton kernels are not aten ops and are not in it) by the class of the module
+whose own code ran them, forward and backward. ``--out`` writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -62,6 +64,20 @@ def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
     return dict(counts.most_common())
 
 
+def ops_by_module(step: Callable[[], float], model: torch.nn.Module) -> dict[str, int]:
+    """aten ops of one ``step`` by ``"<module class> fwd|bwd"`` (:class:`tests.op_counts.OwnOps`
+    attributes each op to the innermost module whose own code ran it), most first."""
+    from tests.op_counts import OwnOps
+
+    modules = dict(model.named_modules())
+    with OwnOps(model) as ops:
+        step()
+    counts: collections.Counter[str] = collections.Counter()
+    for (name, phase), n in ops.counts.items():
+        counts[f"{type(modules[name]).__name__ if name in modules else name} {phase}"] += n
+    return dict(counts.most_common())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2)
@@ -69,6 +85,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     parser.add_argument("--sync-sites", action="store_true",
                         help="count host synchronizations of one more step by call site (CUDA)")
+    parser.add_argument("--ops-by-module", action="store_true",
+                        help="count the aten ops of one more step by module class")
     parser.add_argument("--peak-tflops", type=float, default=756.0,
                         help="the GPU's dense bf16 rate for MFU (H200 measured: 756)")
     args, overrides = parser.parse_known_args()
@@ -127,6 +145,9 @@ def main() -> None:
         figures["host_syncs_by_site"] = sync_sites(step)
         figures["host_syncs_per_step"] = sum(figures["host_syncs_by_site"].values())
         print(json.dumps(figures["host_syncs_by_site"], indent=1))
+    if args.ops_by_module:
+        figures["ops_by_module_per_step"] = ops_by_module(step, trainer.model)
+        print(json.dumps(figures["ops_by_module_per_step"], indent=1))
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
