@@ -61,7 +61,7 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
              chunk_tokens: int = 0, seed: int = 0, layout: str = "gather") -> dict:
     """Triton (``layout``'s kernels) vs reference errors of out, dq, dkv (and determinism,
     empty-row zeros). ``partial_rows``: the gather layout's key-gradient chunk; ``chunk_tokens``:
-    the dense layout's backward query chunk (through its buffer budget)."""
+    the dense layout's query chunk, forward and backward (through their buffer budgets)."""
     from kpool_layers.kernels import sparse_mla_dense_triton as dense
     from kpool_layers.kernels import sparse_mla_triton as smla
 
@@ -77,7 +77,7 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
         key_start = bounds[torch.searchsorted(bounds, torch.arange(s), right=True) - 1]
     grad_out = torch.randn(s, b, n, v, generator=gen).to(dt)
     scale = d ** -0.5
-    budget, dense_budget = smla.PARTIAL_BUFFER_BYTES, dense.DS_BUFFER_BYTES
+    budgets = smla.PARTIAL_BUFFER_BYTES, dense.S_BUFFER_BYTES, dense.DS_BUFFER_BYTES
 
     def triton_run() -> list[torch.Tensor]:
         out = smla.sparse_mla_triton(query, latent, topk, scale, v_channels=v, key_start=key_start,
@@ -87,11 +87,12 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
     try:
         if partial_rows:  # several query chunks in the key-gradient reduction
             smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
-        if chunk_tokens:  # P and dS of chunk_tokens queries x n heads x s keys, 2 bytes each
-            dense.DS_BUFFER_BYTES = chunk_tokens * n * s * 2 * query.element_size()
+        if chunk_tokens:  # chunks of chunk_tokens queries x n heads x s keys: fp32 S and P
+            dense.S_BUFFER_BYTES = chunk_tokens * n * s * (4 + query.element_size())
+            dense.DS_BUFFER_BYTES = chunk_tokens * n * s * 2 * query.element_size()  # P and dS
         got, again = triton_run(), triton_run()
     finally:
-        smla.PARTIAL_BUFFER_BYTES, dense.DS_BUFFER_BYTES = budget, dense_budget
+        smla.PARTIAL_BUFFER_BYTES, dense.S_BUFFER_BYTES, dense.DS_BUFFER_BYTES = budgets
     ref_out = sparse_mla_attention(query, latent, topk, scale, v_channels=v, chunk_size=7,
                                    key_start=key_start)
     ref = [ref_out, *torch.autograd.grad(ref_out, (query, latent), grad_out)]
@@ -190,7 +191,8 @@ CASES = {
                              {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
     "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
-    "fp16_dense_query_chunks_of_3": (40, 2, 5, 48, 32, 30, "float16", {"chunk_tokens": 3}),
+    "fp16_dense_query_chunks_of_3": (40, 2, 5, 48, 32, 30, "float16",
+                                     {"chunk_tokens": 3, "thd": True, "empty_rows": (3, 22)}),
 }
 LAYOUTS = ("gather", "dense")
 """Every case runs both kernel layouts (``sparse_mla_triton(layout=...)``)."""
@@ -224,9 +226,11 @@ def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str, l
     differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
     the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
     norm-wise); so is the ranks' dkv sum vs the full dkv. Vs the torch reference with the same
-    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout runs one query
-    token per program in fp32, over the same key blocks whether the bound is ``i`` or
-    ``query_pos``, so the same holds."""
+    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout's forward
+    takes each row's scores and output from fp32 GEMMs whose elements are the same dot products
+    in the same order for any chunk shape (the CPU BLAS; its backward's ``dQ = dS K`` relies on
+    the same), the key columns past a row's bound adding exact zeros, and its softmax kernel
+    reduces the same key blocks whether the bound is ``i`` or ``query_pos``; so the same holds."""
     report = cpu_report[f"{case}/{layout}"]
     errors = {k: e for k, e in report.items() if not isinstance(e, bool)}
     assert len(errors) == 8 * CP_CASES[case][6] + 1, report
@@ -335,6 +339,11 @@ class TestGPU:
 
 
 if __name__ == "__main__":  # CPU cases under the interpreter (see the module docstring)
+    from kpool_layers.kernels import sparse_mla_dense_triton
+
+    # 8-key blocks: the dense forward's softmax rows span several key blocks (online max and sum
+    # across blocks, the blocks before key_start skipped), as on a GPU with real lengths
+    sparse_mla_dense_triton.CONFIGS["softmax"]["BN"] = 8
     report = {f"{name}/{layout}": run_case(*args[:7], **args[7], layout=layout)
               for name, args in CASES.items() for layout in LAYOUTS}
     report.update({f"{name}/{layout}": run_cp_case(*args, layout=layout)

@@ -10,51 +10,67 @@ sparse_mla_triton` (which dispatches here, see :func:`dense_pays`): ``query [s_q
 Why: the gather kernels do the work of one query token's heads per selected key; with few heads
 (the 16-head proxy) a gathered 1.15 KB key row feeds 16 rows of a dot, and the latent-key gradient
 round-trips a ``[tokens, W, d_k]`` partial buffer. When a query selects a large share of its
-causal prefix, visiting every key of the prefix in contiguous blocks and masking the unselected
-ones does more FLOPs but on full tensor-core tiles, and the backward becomes dense GEMMs.
+causal prefix, computing every key of the prefix and masking the unselected ones does more FLOPs
+but as dense GEMMs.
 
 Kernels and steps:
   1. mask, grid ``(b*s_q, slot blocks)``: ``bits [b, s_q, ceil(s_kv/32)]`` int32, bit ``k % 32`` of
-     word ``k // 32`` set for each valid selected key ``k`` (``atomic_or``: order-free, exact);
-  2. forward, grid ``(b * query blocks, head blocks)``: a program owns ``BQ`` query tokens x ``BH``
-     heads as ``BM = BQ * BH`` rows (several tokens share the key tiles: MQA), loops over the key
-     blocks of ``[min key_start, max query_pos]`` of its tokens, skips blocks without a selected key,
-     online softmax in fp32 (base 2); writes ``O`` and ``lse2 [s_q, b, n]`` (``+inf`` for an empty
-     row) exactly as the gather forward does, so its slot-probability kernel reads them;
+     word ``k // 32`` set for each valid selected key ``k`` (``atomic_or``: order-free, exact); the
+     bits hold causality and ``key_start`` too;
+  2. forward, per batch row and query chunk (at least ``QUERY_CHUNKS`` chunks; the fp32 ``S`` and
+     ``P`` together at most ``S_BUFFER_BYTES``), rows ``(token, head)`` token-major: GEMM
+     ``S = Q K^T`` ``[tokens * n, keys]`` in fp32 over all ``d_k`` channels; a softmax kernel, grid
+     ``(tokens, head blocks)``, takes the max and sum of each row's selected scores over the key
+     blocks of ``[key_start, query_pos]`` (online, fp32, base 2), writes ``lse2 [s_q, b, n]``
+     (``+inf`` for an empty row) exactly as the gather forward does (its slot-probability kernel
+     and the backward read it), then ``P = exp2(S scale log2(e) - lse2)`` in the input dtype
+     (zeros where unselected); GEMM ``O = P V`` on the value channels, into the output. An empty
+     row has ``P = 0``, so ``O = 0``;
   3. backward, per batch row and query chunk (at least ``QUERY_CHUNKS`` chunks; ``P`` and ``dS``
      together at most ``DS_BUFFER_BYTES``): ``delta = rowsum(dO * O)`` (one kernel for all rows);
      a tile kernel recomputes ``S = Q K^T`` and ``dP = dO V^T`` and writes the chunk's
      ``P`` and ``dS = P (dP - delta) scale`` ``[tokens * n, keys]`` in the input dtype (zeros where
      unselected); then GEMMs: ``dQ = dS K``, ``dKV += dS^T Q`` and, on the value channels,
      ``dKV += P^T dO``, accumulated in fp32 over the chunks (cuBLAS with fp32 output on CUDA).
-     The keys of a chunk end at its last query (the whole row with ``query_pos``).
-No float atomics: outputs and gradients are bit-identical from run to run (the cuBLAS GEMMs of
-fixed shapes included). Memory: the bit mask (``b * s_q * s_kv / 8`` bytes), the chunk's ``P`` and
-``dS``, and an fp32 ``[b, s_kv, d_k]`` key-gradient accumulator.
+The keys of a chunk end at its last query (the whole row with ``query_pos``). The forward launches
+3 kernels per chunk (2 GEMMs and the softmax kernel; a copy more for ``b > 1``). No float atomics:
+outputs and gradients are bit-identical from run to run (the cuBLAS GEMMs of fixed shapes
+included). Memory: the bit mask (``b * s_q * s_kv / 8`` bytes), the forward's fp32 ``S`` and ``P``
+of its largest chunk (``tokens * n * keys * (4 + 2)`` bytes for bf16, allocated once per call), the
+backward's chunk ``P`` and ``dS``, and an fp32 ``[b, s_kv, d_k]`` key-gradient accumulator.
 
-Numerics as the gather kernels (fp32 softmax, P and dS rounded to the input dtype before their
-products, fp32 accumulation; fp32 inputs use exact fp32 dots), except that each key's gradient is
-summed in fp32 without rounding per (query, slot) partials to the input dtype first.
+Numerics as the gather kernels (fp32 scores, softmax and accumulation; the products' ``P`` and
+``dS`` operands rounded to the input dtype; fp32 inputs use exact fp32 products), except that the
+forward rounds the normalized ``P`` (not per-block unnormalized probabilities) before one ``P V``
+product, and each key's gradient is summed in fp32 without rounding per (query, slot) partials to
+the input dtype first. On CUDA the bf16/fp16 ``O = P V`` and ``dQ = dS K`` are cuBLAS GEMMs with
+an input-dtype output: fp32 accumulation, but split-K partials may be reduced in the input dtype
+where ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` (default on)
+allow it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
-from kpool_layers.kernels.mla_tiles_triton import (
-    LOG2E, load_rows, pow2, scores, selected_slots)
+from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots
 
 DENSE_HEAD_KEYS_PER_SLOT = 256
 """:func:`dense_pays` while ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
 
+S_BUFFER_BYTES = 1 << 29
+"""Upper bound of the forward's fp32 ``S`` and ``P`` buffers of a query chunk together."""
+
 DS_BUFFER_BYTES = 1 << 29
-"""Upper bound of a query chunk's ``P`` and ``dS`` buffers together (the GEMM backward)."""
+"""Upper bound of the backward's ``P`` and ``dS`` buffers of a query chunk together."""
 
 QUERY_CHUNKS = 4
-"""The GEMM backward splits the queries into at least this many chunks (the keys a chunk sees end
-at its last query: fewer zero columns above the causal diagonal)."""
+"""The forward and the backward split the queries into at least this many chunks (the keys a chunk
+sees end at its last query: fewer zero columns above the causal diagonal)."""
 
 
 def dense_pays(s_kv: int, width: int, heads: int) -> bool:
@@ -81,75 +97,57 @@ def _mask_kernel(IDX, KSTART, QPOS, BITS, S, W, NW, si_b, si_s, BW: tl.constexpr
 
 
 @triton.jit
-def _row_block(pid_q, pid_h, S, N, BQ: tl.constexpr, BH: tl.constexpr):
-    """Token and head of each of the ``BQ * BH`` rows of a query block (token-major) and the rows'
-    mask."""
-    r = tl.arange(0, BQ * BH)
-    tok = pid_q * BQ + r // BH
-    head = pid_h * BH + r % BH
-    return tok, head, (tok < S) & (head < N)
+def _selected(BITS, row_word, keys, mask):
+    """Whether the row whose ``BITS`` words start at ``row_word`` selected ``keys`` (shapes
+    broadcast); False where ``mask`` is."""
+    words = tl.load(BITS + row_word + (keys >> 5), mask=mask, other=0)
+    return ((words >> (keys & 31).to(tl.int32)) & 1) != 0
 
 
 @triton.jit
-def _key_span(KSTART, QPOS, q0, S, BQ: tl.constexpr, BN: tl.constexpr,
-              HAS_KSTART: tl.constexpr, HAS_QPOS: tl.constexpr):
-    """First key block start and last key (inclusive) any token of ``[q0, q0 + BQ)`` may see."""
-    toks = tl.minimum(q0 + tl.arange(0, BQ), S - 1)  # past the end: repeat the last token
+def _softmax_kernel(SC, P, BITS, KSTART, QPOS, LSE, t0, bi, S, B, N, NW, L, scale_log2,
+                    BH: tl.constexpr, BN: tl.constexpr, HAS_KSTART: tl.constexpr,
+                    HAS_QPOS: tl.constexpr):
+    """``P`` and ``lse2`` of ``BH`` heads of token ``t0 + program_id(0)`` of a query chunk from its
+    fp32 scores ``SC [rows, L]`` (rows = (token - t0) * N + head, keys ``[0, L)``). Pass 1: online
+    max and sum over the key blocks of ``[key_start, query_pos]`` (selected keys only, base 2);
+    pass 2: ``P = exp2(S * scale_log2 - lse2)`` in ``P``'s dtype on every key, 0 where
+    unselected."""
+    tok = t0 + tl.program_id(0)
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < N
+    rows = ((tok - t0) * N + heads).to(tl.int64) * L
+    word = (bi * S + tok).to(tl.int64) * NW
     if HAS_KSTART:
-        lo = tl.min(tl.load(KSTART + toks).to(tl.int64), 0)
+        lo = tl.load(KSTART + tok).to(tl.int64)
     else:
-        lo = (q0 * 0).to(tl.int64)
+        lo = 0
     if HAS_QPOS:
-        hi = tl.max(tl.load(QPOS + toks).to(tl.int64), 0)
+        hi = tl.load(QPOS + tok).to(tl.int64)
     else:
-        hi = tl.max(toks, 0).to(tl.int64)
-    return (lo // BN) * BN, hi
-
-
-@triton.jit
-def _selected(BITS, row_word, keys, rmask, S_KV):
-    """``[rows, keys]`` whether row (its ``BITS`` word offset ``row_word``) selected ``keys``."""
-    kmask = keys < S_KV
-    words = tl.load(BITS + row_word[:, None] + (keys >> 5)[None, :],
-                    mask=rmask[:, None] & kmask[None, :], other=0)
-    return ((words >> (keys & 31).to(tl.int32)[None, :]) & 1) != 0
-
-
-@triton.jit
-def _fwd_kernel(Q, KV, BITS, KSTART, QPOS, O, LSE, S, S_KV, B, N, NW, scale_log2,
-                sq_s, sq_b, sq_h, skv_s, skv_b, so_s, so_b, so_h,
-                V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                BQ: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr, HAS_KSTART: tl.constexpr,
-                HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
-    bi = tl.program_id(0) % B
-    pid_q = tl.program_id(0) // B
-    tok, head, rmask = _row_block(pid_q, tl.program_id(1), S, N, BQ, BH)
-    q, qt = load_rows(Q + bi * sq_b, tok * sq_s + head * sq_h, rmask, V, T, BV, BT)
-    row_word = (bi * S + tok).to(tl.int64) * NW
-    n_lo, hi = _key_span(KSTART, QPOS, pid_q * BQ, S, BQ, BN, HAS_KSTART, HAS_QPOS)
-    m = tl.full([BQ * BH], float("-inf"), tl.float32)
-    l = tl.zeros([BQ * BH], tl.float32)
-    acc = tl.zeros([BQ * BH, BV], tl.float32)
-    for n0 in range(n_lo, hi + 1, BN):
+        hi = tok.to(tl.int64)
+    m = tl.full([BH], float("-inf"), tl.float32)
+    l = tl.zeros([BH], tl.float32)
+    for n0 in range((lo // BN) * BN, hi + 1, BN):
         keys = n0 + tl.arange(0, BN)
-        sel = _selected(BITS, row_word, keys, rmask, S_KV)
-        if tl.max(tl.max(sel.to(tl.int32), 1), 0) > 0:
-            k, kt = load_rows(KV + bi * skv_b, keys * skv_s, keys < S_KV, V, T, BV, BT)
-            sc = tl.where(sel, scores(q, qt, k, kt, T, PREC) * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(sc, 1))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(sc - m_ref[:, None])
-            alpha = tl.exp2(m - m_ref)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-            m = m_new
+        sel = hmask[:, None] & _selected(BITS, word, keys, keys < L)[None, :]
+        sc = tl.load(SC + rows[:, None] + keys[None, :], mask=sel, other=0.0)
+        sc = tl.where(sel, sc * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l = l * tl.exp2(m - m_ref) + tl.sum(tl.exp2(sc - m_ref[:, None]), 1)
+        m = m_new
     nonempty = l > 0.0
-    out = acc / tl.where(nonempty, l, 1.0)[:, None]
-    cv = tl.arange(0, BV)
-    tl.store(O + tok[:, None] * so_s + bi * so_b + head[:, None] * so_h + cv[None, :],
-             out.to(O.dtype.element_ty), mask=rmask[:, None] & (cv[None, :] < V))
     lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("inf"))
-    tl.store(LSE + (tok * B + bi) * N + head, lse2, mask=rmask)
+    tl.store(LSE + (tok * B + bi) * N + heads, lse2, mask=hmask)
+    for n0 in range(0, L, BN):  # unselected keys (the bits hold causality and key_start): zeros
+        keys = n0 + tl.arange(0, BN)
+        kmask = keys < L
+        sel = hmask[:, None] & _selected(BITS, word, keys, kmask)[None, :]
+        sc = tl.load(SC + rows[:, None] + keys[None, :], mask=sel, other=0.0)
+        p = tl.where(sel, tl.exp2(sc * scale_log2 - lse2[:, None]), 0.0)
+        tl.store(P + rows[:, None] + keys[None, :], p.to(P.dtype.element_ty),
+                 mask=hmask[:, None] & kmask[None, :])
 
 
 @triton.jit
@@ -179,7 +177,8 @@ def _ds_kernel(Q, KV, DO, BITS, LSE, DELTA, P, DS, t0, bi, S, S_KV, B, N, NW, R,
     kmask = keys < L
     tok = t0 + rows // N
     head = rows % N
-    sel = _selected(BITS, (bi * S + tok).to(tl.int64) * NW, keys, rmask, S_KV)
+    sel = _selected(BITS, ((bi * S + tok).to(tl.int64) * NW)[:, None], keys[None, :],
+                    rmask[:, None] & (keys < S_KV)[None, :])
     p_out = tl.zeros([BM, BN], P.dtype.element_ty)
     ds_out = tl.zeros([BM, BN], P.dtype.element_ty)
     if tl.max(tl.max(sel.to(tl.int32), 1), 0) > 0:
@@ -218,25 +217,36 @@ def _ds_kernel(Q, KV, DO, BITS, LSE, DELTA, P, DS, t0, bi, S, S_KV, B, N, NW, R,
 
 
 CONFIGS = {
-    "fwd": dict(BM=64, BN=64, num_warps=8, num_stages=1),
+    "softmax": dict(BH=16, BN=256, num_warps=4),
     "ds": dict(BM=128, BN=128, BC=64, num_warps=8, num_stages=3),
 }
-"""Rows (query tokens x heads), key block and (``ds``) channel block per kernel, measured on an H200
-for the 16-head proxy; the bits of the results depend on them, so a fixed table (no autotuning)
-keeps runs reproducible across processes."""
+"""Rows (heads of one query token, ``softmax``; query tokens x heads, ``ds``), key block and
+(``ds``) channel block per kernel. ``ds`` measured on an H200 for the 16-head proxy; ``softmax``
+not tuned yet. The bits of the results depend on them, so a fixed table (no autotuning) keeps runs
+reproducible across processes."""
 
 
-def _fwd_meta(n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
-    """The forward's constexprs and launch arguments: ``BH`` = heads per row block (all of them
-    when they fit), ``BQ`` = tokens per row block, value/tail blocks, dot precision (exact fp32 for
-    fp32)."""
-    cfg = dict(CONFIGS["fwd"])
-    rows, bn = cfg.pop("BM"), cfg.pop("BN")
-    if dtype == torch.float32:  # fp32 dots run on CUDA cores: small tiles
-        rows, bn = 16, 16
-    bh = min(pow2(n), rows)
-    return dict(cfg, BQ=max(1, rows // bh), BH=bh, BN=bn, V=v, T=tail, BV=pow2(v), BT=pow2(tail),
-                PREC="ieee" if dtype == torch.float32 else "tf32")
+def _query_chunks(s: int, s_kv: int, query_pos: torch.Tensor | None, per_token: int, budget: int
+                  ) -> Iterator[tuple[int, int, int]]:
+    """``(t0, t1, keys)`` of the query chunks ``[t0, t1)``: at least ``QUERY_CHUNKS`` of them, and
+    at most ``budget`` bytes of buffers at ``per_token`` bytes per query; a chunk sees the keys
+    ``[0, keys)``: up to its last query (query ``i`` sees keys ``<= i``), all with ``query_pos``."""
+    chunk = max(1, min(triton.cdiv(s, QUERY_CHUNKS), budget // per_token))
+    for t0 in range(0, s, chunk):
+        t1 = min(s, t0 + chunk)
+        yield t0, t1, s_kv if query_pos is not None else t1
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` (2-D) with fp32 accumulation, rounded once to ``out``'s dtype: cuBLAS on
+    CUDA (an fp32 ``out`` of bf16/fp16 operands through ``out_dtype``), exact fp32 products
+    elsewhere."""
+    if not a.is_cuda:
+        out.copy_(a.float() @ b.float())
+    elif out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
 
 
 def selection_bits(topk_indices: torch.Tensor, key_start: torch.Tensor | None,
@@ -258,17 +268,37 @@ def selection_bits(topk_indices: torch.Tensor, key_start: torch.Tensor | None,
 def dense_forward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Tensor,
                   key_start: torch.Tensor | None, query_pos: torch.Tensor | None,
                   softmax_scale: float, v_channels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [s_q, b, n, v_channels], lse2 fp32 [s_q, b, n])`` of contiguous inputs."""
+    """``(out [s_q, b, n, v_channels], lse2 fp32 [s_q, b, n])`` of contiguous inputs, per batch row
+    and query chunk: ``S = Q K^T`` (fp32), a kernel writes ``lse2`` and ``P`` (input dtype, zeros
+    where unselected), then ``O = P V``."""
     s, b, n, d = query.shape
-    s_kv = latent_kv.size(0)
-    out = query.new_empty(s, b, n, v_channels)
+    s_kv, v = latent_kv.size(0), v_channels
+    out = query.new_empty(s, b, n, v)
     lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
-    meta = _fwd_meta(n, v_channels, d - v_channels, query.dtype)
-    _fwd_kernel[(b * triton.cdiv(s, meta["BQ"]), triton.cdiv(n, meta["BH"]))](
-        query, latent_kv, bits, key_start if key_start is not None else bits,
-        query_pos if query_pos is not None else bits, out, lse2, s, s_kv, b, n, bits.size(-1),
-        softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2], *out.stride()[:3],
-        HAS_KSTART=key_start is not None, HAS_QPOS=query_pos is not None, **meta)
+    cfg = dict(CONFIGS["softmax"])
+    cfg["BH"] = min(cfg["BH"], triton.next_power_of_2(n))
+    chunks = list(_query_chunks(s, s_kv, query_pos, n * s_kv * (4 + query.element_size()),
+                                S_BUFFER_BYTES))
+    size = max((t1 - t0) * n * keys for t0, t1, keys in chunks)
+    score_buf = torch.empty(size, dtype=torch.float32, device=query.device)
+    prob_buf = torch.empty(size, dtype=query.dtype, device=query.device)
+    for bi in range(b):
+        for t0, t1, keys in chunks:
+            r = (t1 - t0) * n
+            sc, p = score_buf[:r * keys].view(r, keys), prob_buf[:r * keys].view(r, keys)
+            k_c = latent_kv[:keys, bi, 0]
+            _mm(query[t0:t1, bi].reshape(r, d), k_c.t(), sc)
+            _softmax_kernel[(t1 - t0, triton.cdiv(n, cfg["BH"]))](
+                sc, p, bits, key_start if key_start is not None else bits,
+                query_pos if query_pos is not None else bits, lse2, t0, bi, s, b, n,
+                bits.size(-1), keys, softmax_scale * LOG2E, HAS_KSTART=key_start is not None,
+                HAS_QPOS=query_pos is not None, **cfg)
+            if b == 1:  # the chunk's rows of out are contiguous
+                _mm(p, k_c[:, :v], out[t0:t1, 0].view(r, v))
+            else:
+                o = query.new_empty(r, v)
+                _mm(p, k_c[:, :v], o)
+                out[t0:t1, bi] = o.view(t1 - t0, n, v)
     return out, lse2
 
 
@@ -301,13 +331,11 @@ def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Ten
     cfg = dict(CONFIGS["ds"])
     if query.dtype == torch.float32:
         cfg.update(BM=16, BN=16, BC=16, num_stages=1)
-    per_token = n * s_kv * 2 * query.element_size()
-    chunk = max(1, min(triton.cdiv(s, QUERY_CHUNKS), DS_BUFFER_BYTES // per_token))
+    chunks = list(_query_chunks(s, s_kv, query_pos, n * s_kv * 2 * query.element_size(),
+                                DS_BUFFER_BYTES))
     for bi in range(b):
-        for t0 in range(0, s, chunk):
-            t1 = min(s, t0 + chunk)
+        for t0, t1, keys in chunks:
             r = (t1 - t0) * n
-            keys = s_kv if query_pos is not None else t1  # query i sees keys <= i
             p = torch.empty(r, keys, dtype=query.dtype, device=query.device)
             ds = torch.empty_like(p)
             _ds_kernel[(triton.cdiv(r, cfg["BM"]), triton.cdiv(keys, cfg["BN"]))](
