@@ -303,10 +303,11 @@ def dense_forward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Tens
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 accumulation and no rounding of the product to ``a``'s dtype:
-    cuBLAS with an fp32 output for bf16/fp16 on CUDA, exact fp32 products elsewhere."""
+    """``acc += a @ b`` (fp32 ``acc``) with fp32 accumulation and no rounding of the product to
+    ``a``'s dtype: one cuBLAS GEMM accumulating into ``acc`` (beta = 1, fp32 output of bf16/fp16
+    operands) on CUDA, exact fp32 products elsewhere."""
     if a.is_cuda and a.dtype != torch.float32:
-        acc += torch.mm(a, b, out_dtype=torch.float32)
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
         acc += a.float() @ b.float()
 
@@ -345,7 +346,10 @@ def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Ten
                 BT=pow2(d - v), PREC="ieee" if query.dtype == torch.float32 else "tf32", **cfg)
             q_c = query[t0:t1, bi].reshape(r, d)
             k_c = latent_kv[:keys, bi, 0]
-            grad_query[t0:t1, bi] = torch.mm(ds, k_c).view(t1 - t0, n, d)
+            if b == 1:  # the chunk's rows of grad_query are contiguous
+                _mm(ds, k_c, grad_query[t0:t1, 0].view(r, d))
+            else:
+                grad_query[t0:t1, bi] = torch.mm(ds, k_c).view(t1 - t0, n, d)
             _accumulate(grad_kv[bi, :keys], ds.t(), q_c)
             _accumulate(grad_kv[bi, :keys, :v], p.t(), do[t0:t1, bi].reshape(r, v))
     return grad_query, grad_kv.transpose(0, 1).unsqueeze(2).to(latent_kv.dtype)
