@@ -1,4 +1,4 @@
-"""Fused Triton indexer top-k (:func:`range_topk_triton`) against ``chunked_range_topk``.
+"""Triton indexer top-k (:func:`range_topk_triton`) against ``chunked_range_topk``.
 
 On CPU the kernel runs under Triton's interpreter (``TRITON_INTERPRET=1``), which must be set
 before triton is imported: the cases run in one subprocess (this module run as ``python -m``) so
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import traceback
 from pathlib import Path
+from dataclasses import replace
 from typing import Callable, Optional
 
 import pytest
@@ -67,14 +68,28 @@ def assert_equal_up_to_rounding(got, ref, scores, lo, hi, tol) -> None:
 # --- cases run under the interpreter (each raises AssertionError on failure) --------------------
 
 
-CAPS = {"cap256": 256, "cap8": 8}  # candidate buffer: the default, and one that forces radix passes
-_cap = [CAPS["cap256"]]  # the variant the cases run under
+def _variants() -> dict:
+    """Launch configs the cases run under: the default tiles with 16 rows per selection program
+    (the interpreter pays per program; the GPU default is 1 row), and small tiles with an uneven
+    5-bit radix (7 passes, the last 2 bits wide), 64-key selection blocks and a 16 KiB score buffer
+    (several query chunks for n >= 64)."""
+    from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG, LaunchConfig
+
+    return {
+        "wide": replace(DEFAULT_CONFIG, select_rows=16),
+        "small": LaunchConfig(block_t=16, block_n=32, num_warps=4, num_stages=2, select_rows=8,
+                              select_block=64, radix_bits=5, score_buffer_bytes=16 * 2**10),
+    }
 
 
-def _range_topk(*args, **kwargs):
-    from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
+VARIANTS = ("wide", "small")
+_config: list = [None]  # the variant the cases run under (None: DEFAULT_CONFIG)
 
-    return range_topk_triton(*args, **kwargs, config=LaunchConfig(cand_cap=_cap[0]))
+
+def _range_topk(*args, config=None, **kwargs):
+    from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG, range_topk_triton
+
+    return range_topk_triton(*args, **kwargs, config=config or _config[0] or DEFAULT_CONFIG)
 
 
 def _grid_case(kpool: int, relu: bool, lengths: Optional[list[int]], topk: int, h: int, d: int,
@@ -127,7 +142,7 @@ def case_ties_lower_index() -> None:
 
 def case_signed_zeros(device: str = "cpu") -> None:
     """Scores -0.0 (both heads' terms -0.0) and +0.0 (1 - 1) tie like the reference's folded
-    zeros. (The interpreter's sums start from +0.0, so only the GPU run sees a -0.0 score.)"""
+    zeros. (The kernel's head sum starts from +0.0, so it never forms a -0.0 score itself.)"""
     t, n, d = 16, 48, 16
     q = torch.zeros(t, 2, d, device=device)
     q[:, 0, 0], q[:, 1, 1] = 1.0, 1.0
@@ -185,17 +200,87 @@ def case_deterministic_strided() -> None:
         module._SORT_ROWS = rows
 
 
+def case_relu_zero_ties() -> None:
+    """ReLU zeroes most scores: rows with fewer positive keys than topk fill up with exact zeros,
+    taken in key order (lower index first)."""
+    gen = torch.Generator().manual_seed(13)
+    t, h, d, topk = 64, 2, 16, 16
+    lo, hi, n = layout_range(t, 1, [40, 24])
+    q, keys, w = grid_inputs(t, h, d, n, gen)
+    q, w = q.abs(), w.abs()
+    keys = -keys.abs()
+    keys[::9] = keys[::9].abs()  # every 9th key scores > 0 (or 0), the others exactly 0
+    got = _range_topk(q, keys, w, lo, hi, topk=topk, relu=True)
+    assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=True, chunk_size=16))
+    row = 63  # sees keys 40 .. 63: positive ones 45, 54, 63 (when their score is not 0), then zeros
+    positive = [j for j in (45, 54, 63) if scores64(q[row:row + 1], keys[j:j + 1], w[row:row + 1], True) > 0]
+    rest = [j for j in range(40, 64) if j not in positive][: topk - len(positive)]
+    assert sorted(got[row, len(positive):].tolist()) == rest == got[row, len(positive):].tolist()
+
+
+def case_identical_keys() -> None:
+    """Every key the same: every visible score ties; each query takes the first topk keys of its
+    range in key order."""
+    gen = torch.Generator().manual_seed(17)
+    t, h, d, topk = 64, 3, 16, 8
+    lo, hi, n = layout_range(t, 1, [20, 5, 39])
+    q, keys, w = grid_inputs(t, h, d, n, gen)
+    keys = keys[:1].expand(n, d)
+    for relu in (True, False):
+        got = _range_topk(q, keys, w, lo, hi, topk=topk, relu=relu)
+        want = lo[:, None] + torch.arange(topk)
+        assert torch.equal(got, torch.where(want < hi[:, None], want, -1))
+
+
+def case_count_at_most_topk() -> None:
+    """topk >= every query's visible count (no radix pass): all visible keys, best first."""
+    gen = torch.Generator().manual_seed(19)
+    t, h, d = 48, 2, 16
+    lo, hi, n = layout_range(t, 1, [30, 18])
+    q, keys, w = grid_inputs(t, h, d, n, gen)
+    for topk in (30, 33):
+        got = _range_topk(q, keys, w, lo, hi, topk=topk, relu=False)
+        assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=False, chunk_size=16))
+        assert torch.equal((got >= 0).sum(1), hi - lo)
+
+
+def case_several_chunks_kpool() -> None:
+    """A score buffer of 5 rows (13 query chunks, fewer rows than a scoring tile), KPool 2 ranges
+    over packed documents."""
+    from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG, buffer_width, chunk_rows
+
+    gen = torch.Generator().manual_seed(23)
+    t, h, d, topk = 64, 2, 16, 8
+    lo, hi, n = layout_range(t, 2, [27, 37])
+    q, keys, w = grid_inputs(t, h, d, n, gen)
+    config = replace(_config[0] or DEFAULT_CONFIG, score_buffer_bytes=4 * buffer_width(n) * 5 + 3)
+    assert chunk_rows(n, config) == 5
+    got = _range_topk(q, keys, w, lo, hi, topk=topk, relu=True, config=config)
+    assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=True, chunk_size=16))
+
+
+def case_default_config() -> None:
+    """DEFAULT_CONFIG as is (one query row per selection program), packed documents with ties."""
+    from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG
+
+    gen = torch.Generator().manual_seed(29)
+    lo, hi, n = layout_range(40, 1, [26, 14])
+    q, keys, w = grid_inputs(40, 2, 16, n, gen, levels=3)
+    got = _range_topk(q, keys, w, lo, hi, topk=8, relu=True, config=DEFAULT_CONFIG)
+    assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=8, relu=True, chunk_size=16))
+
+
 CASES: dict[str, Callable[[], None]] = {
     name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")
 }
 
 
 def _run_cases() -> None:
-    """Entry point of the interpreter subprocess: one JSON line {case/cap: null | traceback}."""
+    """Entry point of the interpreter subprocess: one JSON line {case/variant: null | traceback}."""
     torch.set_num_threads(1)
     results = {}
-    for variant, cap in CAPS.items():
-        _cap[0] = cap
+    for variant, config in _variants().items():
+        _config[0] = config
         for name, fn in CASES.items():
             try:
                 fn()
@@ -216,7 +301,7 @@ def interpreter_results() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("variant", list(CAPS))
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreter(case: str, variant: str, interpreter_results: dict) -> None:
     result = interpreter_results[f"{case}/{variant}"]
@@ -232,16 +317,22 @@ def test_cpu_tensors_rejected() -> None:
         range_topk_triton(torch.randn(4, 2, 16), torch.randn(8, 16), torch.rand(4, 2), lo, hi, topk=2, relu=True)
 
 
+GPU_CONFIGS = {  # the default, and 11/11/10-bit passes, 2 rows per selection program, 8 query chunks
+    "default": {},
+    "radix11_chunks": {"radix_bits": 11, "select_rows": 2, "score_buffer_bytes": 8 * 2**20},
+}
+
+
 @pytest.mark.gpu
 class TestGLM5Shape:
     """t = 4096, h = 32, d = 128, topk = 2048 in bf16: same sets as the reference up to FP32
     rounding, for plain DSA and KPool 4 (512 of 1024 pools), deterministic."""
 
     @staticmethod
-    def check(kpool: int, relu: bool, cap: int = CAPS["cap256"]) -> None:
+    def check(kpool: int, relu: bool, variant: str = "default") -> None:
         from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
 
-        config = LaunchConfig(cand_cap=cap)
+        config = LaunchConfig(**GPU_CONFIGS[variant])
         t, h, d, topk = 4096, 32, 128, 2048 // kpool
         gen = torch.Generator(device="cuda").manual_seed(kpool)
         layout = pool_layout(t, kpool, torch.tensor([0, 1000, t]), device="cuda")
@@ -261,21 +352,23 @@ class TestGLM5Shape:
         differ = [set(a) != set(b) for a, b in zip(got.tolist(), ref.tolist())]
         assert sum(differ) < 0.05 * t  # sets differ only through near-ties at the k-th score
 
-    @pytest.mark.parametrize("cap", list(CAPS.values()))
+    @pytest.mark.parametrize("variant", list(GPU_CONFIGS))
     @pytest.mark.parametrize("kpool", [1, 4])
-    def test_matches_reference(self, kpool: int, cap: int) -> None:
-        self.check(kpool, relu=True, cap=cap)
+    def test_matches_reference(self, kpool: int, variant: str) -> None:
+        self.check(kpool, relu=True, variant=variant)
 
     def test_identity_scoring(self) -> None:
         self.check(1, relu=False)
 
-    @pytest.mark.parametrize("cap", list(CAPS.values()))
-    def test_signed_zeros(self, cap: int) -> None:
-        _cap[0] = cap
+    @pytest.mark.parametrize("variant", list(GPU_CONFIGS))
+    def test_signed_zeros(self, variant: str) -> None:
+        from kpool_layers.kernels.indexer_topk_triton import LaunchConfig
+
+        _config[0] = LaunchConfig(**GPU_CONFIGS[variant])
         try:
             case_signed_zeros("cuda")
         finally:
-            _cap[0] = CAPS["cap256"]
+            _config[0] = None
 
 
 if __name__ == "__main__":

@@ -1,33 +1,48 @@
-"""Fused lightning-indexer scoring and exact top-k selection in one Triton kernel.
+"""Lightning-indexer scoring and exact top-k selection in two Triton kernels.
 
-:func:`range_topk_triton` returns exactly what :func:`kpool_layers.topk.chunked_range_topk` returns
-(same layouts, see there) without ever holding a ``[t, n]`` score tensor:
+:func:`range_topk_triton` returns what :func:`kpool_layers.topk.chunked_range_topk` returns (same
+layouts, see there):
 
     q [t, h, d] (bf16 / fp16 / fp32), keys [n, d], weights [t, h], lo, hi int64 [t]
     -> int64 [t, topk], best first, ties to the lower key index, -1 beyond the visible keys.
 
-Each program owns ``BLOCK_T`` consecutive queries and walks the keys they can see in blocks of
-``BLOCK_N``, scoring them on the tensor cores (``[BLOCK_T * h, d] @ [d, BLOCK_N]`` in FP32, ReLU,
-weighted sum over heads). A score ``s`` is mapped to a 32-bit descending key ``v`` (order-reversing
-image of the FP32 bits, ``-0.0`` folded into ``+0.0``: smaller ``v`` = larger score). Every query
-must take its ``k`` smallest ``(v, index)`` pairs. A radix select narrows the ``k``-th ``v`` down,
-8 bits per pass: each histogram pass rescores the keys and counts digit ``p`` of the keys whose
-higher digits equal the digits chosen so far (the "bucket"). As soon as every query's bucket holds
-at most ``CAP`` keys (before any pass when few keys are visible; for continuous scores expected
-after two passes at 32K keys), one collecting pass writes the keys better than the bucket to the
-output and the bucket's keys to a ``[t, CAP]`` scratch buffer, and the best ``rem`` of those are
-ranked pairwise by ``(v, index)`` in registers. If buckets stay larger (massive ties), after four
-passes all 32 bits are known and the final pass writes the better keys, then the tied ones in key
-order.
-Keys go out packed as int64 ``(v - 2^31) << 32 | index``; one row-wise sort of the ``[t, topk]``
-result orders it by (score desc, index asc). Rescoring is cheaper than storing scores: a score costs
-``2 h d`` FLOPs on the tensor cores and the keys stay in L2.
+Queries are processed in chunks of ``R`` rows; per chunk two kernels run:
 
-All passes run in one loop of one kernel, so every pass sees bit-identical scores; there are no
-atomics across programs, so results are deterministic. Memory: ``O(t * (topk + CAP))``; the
-result itself serves as the packed buffer and is sorted and decoded in place, 4096 rows at a time.
-Scores are FP32 summed in a different order than the PyTorch reference, so keys whose scores lie
-within FP32 rounding of the ``k``-th may swap.
+1. Scoring, grid ``(key blocks of BLOCK_N, query blocks of BLOCK_T)``. A program whose key block
+   lies outside every one of its queries' visible ranges ``[lo, hi)`` returns at once (about half
+   the grid when causal). The others load their key tile ``[BLOCK_N, d]`` once and loop over the
+   heads: ``acc[BLOCK_T, BLOCK_N] += w[t, h] * act(q[t, h, :] . key[j, :])`` on the tensor cores,
+   one ``[BLOCK_T, d] @ [d, BLOCK_N]`` product per head accumulated element-wise in FP32, heads in
+   order. The score ``s`` is stored as a 32-bit descending key ``v`` (the order-reversing image of
+   its FP32 bits, ``-0.0`` folded into ``+0.0``: smaller ``v`` = larger score) into the score
+   buffer ``int32 [R, n']`` (``v`` bit-cast; row = query of the chunk, column = key index, ``n'`` =
+   ``n`` rounded up to 16). Entries of skipped blocks stay unwritten: the selection reads only
+   ``[lo, hi)``. The head sum starts from ``+0.0``, so a ``-0.0`` score does not arise; the fold
+   is kept as a guard.
+2. Selection, ``select_rows`` query rows per program (default 1): an exact radix select of the
+   ``k = min(topk, count)`` smallest ``v`` among a row's ``count`` visible keys, reading the row
+   from the buffer in blocks of ``select_block`` keys. Each histogram pass counts digit ``p``
+   (``radix_bits`` wide, most significant first) of the keys whose higher digits equal the prefix
+   found so far (the "bucket") and picks the digit of the ``k``-th key. The passes stop as soon as
+   the bucket holds exactly the ``rem`` keys still needed (before any pass when ``count <= topk``;
+   with random GLM-shaped inputs at 4K-32K keys mostly after 3 passes of 8 bits, 2-3 of 11 bits, in
+   a CPU simulation of the select) or all 32 bits are known (exact ties). One final pass writes the
+   keys below the bucket and the bucket's first ``rem`` keys in key order (ties to the lower
+   index), packed as int64 ``(v - 2^31) << 32 | index``, into the ``[t, topk]`` result; slots
+   beyond ``k`` stay ``_EMPTY``.
+
+A row-wise sort of the packed result orders it by (score desc, index asc); empty slots decode to -1.
+
+Memory: the score buffer ``int32 [R, n']`` stays within ``LaunchConfig.score_buffer_bytes``
+(default ``SCORE_BUFFER_BYTES`` = 512 MiB: ``R`` = 32768 rows at 4K keys, 4096 at 32K; ``R`` a
+multiple of ``block_t`` where the bound allows, at least one row); besides it only the
+``[t, topk]`` int64 result, which is sorted and decoded in place ``_SORT_ROWS`` rows at a time. No
+host synchronisation: the grids depend on ``t``, ``n`` and the config only.
+
+Determinism: every score is written once by one program (its FP32 sum runs over the heads in
+order), histograms are integer counts inside one program, and there are no atomics across
+programs: reruns are bit-identical. Scores are FP32 sums in a different order than the PyTorch
+reference's, so keys whose scores lie within FP32 rounding of the ``k``-th may swap.
 """
 
 from __future__ import annotations
@@ -41,155 +56,164 @@ import triton.language as tl
 from torch import Tensor
 
 _EMPTY = torch.iinfo(torch.int64).max  # packed value of an unfilled slot; sorts last
-_RADIX_BITS = 8
-_PASSES = 32 // _RADIX_BITS
 _SORT_ROWS = 4096  # rows per sort of the packed buffer (bounds the sort's scratch)
+SCORE_BUFFER_BYTES = 512 * 2**20  # bound of the int32 [rows, n] score buffer of one query chunk
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """Tuning knobs of the kernel. Selections do not depend on them except through the FP32
-    rounding of the head sum (its order follows the register layout); each config is
-    deterministic."""
+    """Tuning knobs. Selections can depend on them only through the FP32 rounding of the
+    ``q . key`` products (the head sum runs in head order in every config); each config is
+    deterministic.
 
-    block_n: int = 64  # keys per step
-    block_m: int = 128  # query-head rows per tensor-core product (queries per program * heads)
-    num_warps: int = 8
-    num_stages: int = 2
-    cand_cap: int = 256  # power of 2: candidates per query ranked in registers once they fit
+    The defaults are untuned starting values for Hopper (chosen without a GPU): a 64-row tile is
+    one warpgroup's wgmma M, 128 keys keep the FP32 accumulator at 64 registers per thread with
+    4 warps, and 3 stages pipeline the per-head query tiles."""
+
+    block_t: int = 64  # scoring: queries per program (tensor-core M), power of 2 >= 16
+    block_n: int = 128  # scoring: keys per program (tensor-core N), power of 2 >= 16
+    num_warps: int = 4  # scoring
+    num_stages: int = 3  # scoring: pipeline depth of the head loop
+    select_rows: int = 1  # selection: query rows per program, power of 2
+    select_block: int = 1024  # selection: keys per step, power of 2 <= 32768
+    select_warps: int = 4  # selection
+    radix_bits: int = 8  # selection: digit width, 1 .. 16 (ceil(32 / radix_bits) passes at most)
+    score_buffer_bytes: int = SCORE_BUFFER_BYTES  # bound of one query chunk's score buffer
 
 
 DEFAULT_CONFIG = LaunchConfig()
 
 
 @triton.jit
-def _load_keys(k_ptr, start, stop, stride_kn, D: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """Keys ``start .. start + BLOCK_N`` (those below ``stop``) transposed: [BLOCK_D, BLOCK_N]."""
-    cols = start + tl.arange(0, BLOCK_N)
+def _score_kernel(
+    q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, buf_ptr,
+    row0, rows, n,
+    stride_qt, stride_qh, stride_kn, stride_wt, stride_wh, stride_buf,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (key block, query block): descending keys ``v`` of the block's scores into
+    ``buf[query - row0, key]``; returns at once when none of its queries sees the key block."""
+    j0 = tl.program_id(0) * BLOCK_N
+    local = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # rows of the chunk
+    row_ok = local < rows
+    qrow = (row0 + local).to(tl.int64)
+    lo = tl.maximum(tl.load(lo_ptr + qrow, mask=row_ok, other=0), 0).to(tl.int32)
+    hi = tl.minimum(tl.load(hi_ptr + qrow, mask=row_ok, other=0), n).to(tl.int32)
+    needed = row_ok & (lo < hi) & (lo < j0 + BLOCK_N) & (hi > j0)
+    if tl.max(needed.to(tl.int32), axis=0) == 0:
+        return
+
+    cols = j0 + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
-    offs = cols[None, :].to(tl.int64) * stride_kn + dims[:, None]
-    return tl.load(k_ptr + offs, mask=(cols[None, :] < stop) & (dims[:, None] < D), other=0.0)
+    kt = tl.load(k_ptr + cols[None, :].to(tl.int64) * stride_kn + dims[:, None],
+                 mask=(cols[None, :] < n) & (dims[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+    q_ptrs = q_ptr + qrow[:, None] * stride_qt + dims[None, :]
+    q_mask = row_ok[:, None] & (dims[None, :] < D)
+    w_ptrs = w_ptr + qrow * stride_wt
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for h in range(H):  # the head sum is element-wise in the accumulator's layout
+        qh = tl.load(q_ptrs + h * stride_qh, mask=q_mask, other=0.0)  # [BLOCK_T, BLOCK_D]
+        wh = tl.load(w_ptrs + h * stride_wh, mask=row_ok, other=0.0).to(tl.float32)
+        logits = tl.dot(qh, kt, input_precision=PRECISION)
+        if RELU:
+            logits = tl.maximum(logits, 0.0)
+        acc += wh[:, None] * logits
+
+    bits = acc.to(tl.uint32, bitcast=True)
+    bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 -> +0.0
+    v = tl.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)  # descending key
+    offs = local[:, None].to(tl.int64) * stride_buf + cols[None, :]
+    tl.store(buf_ptr + offs, v.to(tl.int32, bitcast=True), mask=row_ok[:, None] & (cols[None, :] < n))
 
 
 @triton.jit
-def _range_topk_kernel(
-    q_ptr, k_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, cand_ptr,
-    t, n, topk,
-    stride_qt, stride_qh, stride_kn, stride_wt, stride_wh,
-    H: tl.constexpr, D: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAP: tl.constexpr, RELU: tl.constexpr, PRECISION: tl.constexpr, PASSES: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
+def _select_kernel(
+    buf_ptr, lo_ptr, hi_ptr, out_ptr,
+    row0, rows, n, topk, stride_buf,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PASSES: tl.constexpr,
 ):
-    """One program: queries ``pid * BLOCK_T ..``; writes packed keys into ``out [t, topk]``,
-    using ``cand [t, CAP]`` as scratch."""
+    """Program ``i``: for each query ``row0 + r`` (``r = i * ROWS ..``), the ``min(topk, count)``
+    smallest ``(v, index)`` of ``buf[r, lo:hi]``, packed into ``out[row0 + r, :]`` (unordered)."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
-    EMPTY: tl.constexpr = 0x7FFFFFFFFFFFFFFF
-    RANK_STEP: tl.constexpr = 8
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries see the most keys: first
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < t
-    lo = tl.maximum(tl.load(lo_ptr + rows, mask=row_ok, other=0), 0)
-    hi = tl.minimum(tl.load(hi_ptr + rows, mask=row_ok, other=0), n)
-    count = tl.maximum(hi - lo, 0)
-    k_eff = tl.minimum(count, topk).to(tl.int32)  # keys each query selects
-    seen = count > 0
-    k_start = (tl.min(tl.where(seen, lo, n), axis=0) // BLOCK_N * BLOCK_N).to(tl.int32)
-    k_stop = tl.max(tl.where(seen, hi, 0), axis=0).to(tl.int32)
+    local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # rows of the chunk
+    row_ok = local < rows
+    row = (row0 + local).to(tl.int64)
+    lo = tl.maximum(tl.load(lo_ptr + row, mask=row_ok, other=0), 0).to(tl.int32)
+    hi = tl.minimum(tl.load(hi_ptr + row, mask=row_ok, other=0), n).to(tl.int32)
+    count = tl.where(row_ok, tl.maximum(hi - lo, 0), 0)
+    k = tl.minimum(count, topk)
+    first = tl.min(tl.where(count > 0, lo, n), axis=0) // BLOCK * BLOCK  # aligned block starts
+    stop = tl.max(tl.where(count > 0, hi, 0), axis=0)
+    buf_rows = buf_ptr + local[:, None].to(tl.int64) * stride_buf
+    lo, hi = lo[:, None], hi[:, None]
+    bins = tl.arange(0, NBINS)[None, :]
+    bin_base = (tl.arange(0, ROWS) * NBINS)[:, None]  # every row's slice of the histogram
 
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    rows64 = rows.to(tl.int64)
-    q_offs = rows64[:, None, None] * stride_qt + heads[None, :, None] * stride_qh + dims[None, None, :]
-    q_mask = row_ok[:, None, None] & (heads[None, :, None] < H) & (dims[None, None, :] < D)
-    q = tl.reshape(tl.load(q_ptr + q_offs, mask=q_mask, other=0.0), (BLOCK_T * BLOCK_H, BLOCK_D))
-    w_offs = rows64[:, None] * stride_wt + heads[None, :] * stride_wh
-    w_mask = row_ok[:, None] & (heads[None, :] < H)
-    w = tl.load(w_ptr + w_offs, mask=w_mask, other=0.0).to(tl.float32)  # [BLOCK_T, BLOCK_H]
-
-    bin_base = (tl.arange(0, BLOCK_T) * NBINS)[:, None]  # per-query histogram slice
-    digits = tl.arange(0, NBINS)
-    slots = tl.arange(0, CAP)
-    out_row = out_ptr + rows64[:, None] * topk
-    cand_row = cand_ptr + rows64[:, None] * CAP
-    prefix = tl.zeros([BLOCK_T], dtype=tl.uint32)  # digits of the threshold found so far
-    known = tl.zeros([BLOCK_T], dtype=tl.uint32)  # bit mask of those digits
-    rem = k_eff  # keys still to take among those whose known digits equal the prefix
-    bucket = count.to(tl.int32)  # number of those keys
-    done = tl.zeros([], dtype=tl.int32)
-    for p in range(0, PASSES + 1):  # p histogram passes are behind
-        fits = tl.max(bucket, axis=0) <= CAP
-        collect = (done == 0) & fits
-        histogram = (done == 0) & (tl.max(bucket, axis=0) > CAP) & (p < PASSES)
-        shift = 32 - RADIX_BITS * (p + 1)
-        hist = tl.zeros([BLOCK_T * NBINS], dtype=tl.int32)
-        n_better = k_eff - rem
-        run_better = tl.zeros([BLOCK_T], dtype=tl.int32)
-        run_same = tl.zeros([BLOCK_T], dtype=tl.int32)
-        for start in range(k_start, tl.where(done == 0, k_stop, k_start), BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            kt = _load_keys(k_ptr, start, k_stop, stride_kn, D, BLOCK_D, BLOCK_N)
-            logits = tl.dot(q, kt, input_precision=PRECISION)  # [BLOCK_T * BLOCK_H, BLOCK_N] FP32
-            if RELU:
-                logits = tl.maximum(logits, 0.0)
-            logits = tl.reshape(logits, (BLOCK_T, BLOCK_H, BLOCK_N))
-            score = tl.sum(logits * w[:, :, None], axis=1)  # [BLOCK_T, BLOCK_N]
-            bits = score.to(tl.uint32, bitcast=True)
-            bits = tl.where(bits == 0x80000000, 0, bits)  # -0.0 -> +0.0
-            v = tl.where(bits >= 0x80000000, bits, bits ^ 0x7FFFFFFF)  # descending key
-            vis = (cols[None, :] >= lo[:, None]) & (cols[None, :] < hi[:, None]) & row_ok[:, None]
-            same = vis & ((v & known[:, None]) == prefix[:, None])
-            if histogram:
-                slot = ((v >> shift) & (NBINS - 1)).to(tl.int32) + bin_base
-                hist += tl.histogram(
-                    tl.reshape(slot, (BLOCK_T * BLOCK_N,)),
-                    BLOCK_T * NBINS,
-                    mask=tl.reshape(same, (BLOCK_T * BLOCK_N,)),
-                )
-            else:  # keys better than the prefix go out; the prefix's own to scratch or out
-                better = vis & ((v & known[:, None]) < prefix[:, None])
-                high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
-                packed = (high << 32) | cols[None, :].to(tl.int64)
-                pos = run_better[:, None] + tl.cumsum(better.to(tl.int32), axis=1) - 1
-                tl.store(out_row + pos, packed, mask=better & (pos < k_eff[:, None]))
-                pos = run_same[:, None] + tl.cumsum(same.to(tl.int32), axis=1) - 1
-                if collect:
-                    tl.store(cand_row + pos, packed, mask=same & (pos < CAP))
-                else:  # all digits known: the first ``rem`` ties in key order
-                    tl.store(out_row + n_better[:, None] + pos, packed, mask=same & (pos < rem[:, None]))
-                run_better += tl.sum(better.to(tl.int32), axis=1)
-                run_same += tl.sum(same.to(tl.int32), axis=1)
-        if histogram:
-            counts = tl.reshape(hist, (BLOCK_T, NBINS))
-            below = tl.cumsum(counts, axis=1)  # keys with this digit or a better one
+    prefix = tl.zeros([ROWS], dtype=tl.uint32)  # digits of the k-th key found so far
+    known = tl.zeros([ROWS], dtype=tl.uint32)  # bit mask of those digits
+    rem = k  # keys still to take from the bucket (the keys whose known digits equal the prefix)
+    bucket = count  # size of the bucket
+    for p in tl.static_range(PASSES):
+        top = 32 - RADIX_BITS * p  # constexpr: bits [shift, top) are this pass's digit
+        shift = top - RADIX_BITS if top > RADIX_BITS else 0
+        digit_mask = (1 << (top - shift)) - 1
+        active = bucket > rem  # else the bucket is exactly what is still needed: take it whole
+        if tl.max(active.to(tl.int32), axis=0) > 0:
+            hist = tl.zeros([ROWS * NBINS], dtype=tl.int32)
+            for start in range(first, stop, BLOCK):
+                cols = start + tl.arange(0, BLOCK)[None, :]
+                vis = (cols >= lo) & (cols < hi)
+                v = tl.load(buf_rows + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
+                same = vis & active[:, None] & ((v & known[:, None]) == prefix[:, None])
+                slot = ((v >> shift) & digit_mask).to(tl.int32) + bin_base
+                hist += tl.histogram(tl.reshape(slot, (ROWS * BLOCK,)), ROWS * NBINS,
+                                     mask=tl.reshape(same, (ROWS * BLOCK,)))
+            hist = tl.reshape(hist, (ROWS, NBINS))
+            below = tl.cumsum(hist, axis=1)  # keys of the bucket with this digit or a better one
             digit = tl.sum((below < rem[:, None]).to(tl.int32), axis=1)  # digit of the k-th key
-            rem -= tl.sum(tl.where(digits[None, :] < digit[:, None], counts, 0), axis=1)
-            bucket = tl.sum(tl.where(digits[None, :] == digit[:, None], counts, 0), axis=1)
-            prefix = prefix | (digit.to(tl.uint32) << shift)
-            known = known | ((known * 0 + (NBINS - 1)) << shift)
-        if collect:  # the best ``rem`` candidates by (v, index): rank them pairwise
-            # (counts as written: they equal ``bucket`` and ``n_better``, as every pass computes
-            # bit-identical scores; the masks above only keep writes inside their rows regardless)
-            n_cand = tl.minimum(run_same, CAP)
-            tl.debug_barrier()  # the candidates were stored by other threads of this program
-            filled = (slots[None, :] < n_cand[:, None]) & row_ok[:, None]
-            mine = tl.load(cand_row + slots[None, :], mask=filled, other=EMPTY)  # [BLOCK_T, CAP]
-            rank = tl.zeros([BLOCK_T, CAP], dtype=tl.int32)
-            for j in range(0, tl.max(n_cand, axis=0), RANK_STEP):
-                js = j + tl.arange(0, RANK_STEP)
-                mask = (js[None, :] < n_cand[:, None]) & row_ok[:, None]
-                other = tl.load(cand_row + js[None, :], mask=mask, other=EMPTY)  # [BLOCK_T, RANK_STEP]
-                rank += tl.sum((other[:, None, :] < mine[:, :, None]).to(tl.int32), axis=2)
-            take = filled & (rank < (k_eff - run_better)[:, None])
-            tl.store(out_row + run_better[:, None] + rank, mine, mask=take)
-        done = tl.where(collect | (p == PASSES), 1, done)
+            at = bins == digit[:, None]
+            rem = tl.where(active, rem - tl.sum(tl.where(at, below - hist, 0), axis=1), rem)
+            bucket = tl.where(active, tl.sum(tl.where(at, hist, 0), axis=1), bucket)
+            prefix = tl.where(active, prefix | (digit.to(tl.uint32) << shift), prefix)
+            known = tl.where(active, known | tl.full([ROWS], digit_mask << shift, tl.uint32), known)
+
+    # the keys below the bucket (k - rem of them), then the bucket's first rem in key order
+    out_rows = out_ptr + row[:, None] * topk
+    n_better = (k - rem)[:, None]
+    rem = rem[:, None]
+    known, prefix = known[:, None], prefix[:, None]
+    run_better = tl.zeros([ROWS, 1], dtype=tl.int32)
+    run_tied = tl.zeros([ROWS, 1], dtype=tl.int32)
+    for start in range(first, stop, BLOCK):
+        cols = start + tl.arange(0, BLOCK)[None, :]
+        vis = (cols >= lo) & (cols < hi)
+        v = tl.load(buf_rows + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
+        better = vis & ((v & known) < prefix)
+        tied = vis & ((v & known) == prefix)
+        flags = better.to(tl.int32) | (tied.to(tl.int32) << 16)  # one scan counts both (BLOCK < 2^16)
+        upto = tl.cumsum(flags, axis=1)
+        upto_better = run_better + (upto & 0xFFFF)
+        upto_tied = run_tied + (upto >> 16)
+        pos = tl.where(better, upto_better - 1, n_better + upto_tied - 1)
+        take = (better & (upto_better <= n_better)) | (tied & (upto_tied <= rem))
+        high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
+        tl.store(out_rows + pos, (high << 32) | cols.to(tl.int64), mask=take)
+        total = tl.sum(flags, axis=1, keep_dims=True)
+        run_better += total & 0xFFFF
+        run_tied += total >> 16
 
 
-def _block_t(block_h: int, block_m: int) -> int:
-    """Queries per program: a tensor-core M of ``BLOCK_T * BLOCK_H`` of at least 16, ``block_m``
-    where heads allow (at most 16 queries, so their key ranges stay close)."""
-    return max(1, min(16, block_m // block_h))
+def buffer_width(n: int) -> int:
+    """Row stride of the score buffer: ``n`` rounded up to 16 keys (64-byte aligned rows)."""
+    return triton.cdiv(n, 16) * 16
+
+
+def chunk_rows(n: int, config: LaunchConfig) -> int:
+    """Query rows per chunk: the most whose ``int32 [rows, buffer_width(n)]`` score buffer fits
+    ``config.score_buffer_bytes``, a multiple of ``block_t`` where possible, at least one."""
+    rows = max(1, config.score_buffer_bytes // (4 * buffer_width(n)))
+    return rows // config.block_t * config.block_t if rows >= config.block_t else rows
 
 
 def range_topk_triton(
@@ -203,7 +227,7 @@ def range_topk_triton(
     relu: bool,
     config: LaunchConfig = DEFAULT_CONFIG,
 ) -> Tensor:
-    """Top-``topk`` keys of every query within ``[lo, hi)``, fused scoring + radix select.
+    """Top-``topk`` keys of every query within ``[lo, hi)``: scoring kernel, then radix select.
 
     Args:
         q: [t, h, d] index queries, bf16 / fp16 / fp32 (last dim contiguous or copied).
@@ -227,6 +251,8 @@ def range_topk_triton(
         raise TypeError(f"range_topk_triton scores bf16/fp16/fp32 inputs, got {dtype}")
     if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError("range_topk_triton runs on CUDA tensors (CPU only under TRITON_INTERPRET=1)")
+    if not 1 <= config.radix_bits <= 16 or config.select_block > 2**15:
+        raise ValueError(f"radix_bits must lie in 1 .. 16 and select_block <= 2^15, got {config}")
     with torch.no_grad():
         q, keys = q.detach().to(dtype), keys.detach().to(dtype)
         if q.stride(2) != 1:
@@ -235,22 +261,31 @@ def range_topk_triton(
             keys = keys.contiguous()
         weights = weights.detach()
         lo, hi = lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous()
-        block_h = triton.next_power_of_2(h)
-        block_t = _block_t(block_h, config.block_m)
         packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)  # the result
-        cand = torch.empty((t, config.cand_cap), dtype=torch.long, device=q.device)
-        _range_topk_kernel[(triton.cdiv(t, block_t),)](
-            q, keys, weights, lo, hi, packed, cand,
-            t, n, topk,
-            q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), weights.stride(1),
-            H=h, D=d, BLOCK_T=block_t, BLOCK_H=block_h,
-            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_N=config.block_n, CAP=config.cand_cap,
-            RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
-            PASSES=_PASSES, RADIX_BITS=_RADIX_BITS,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        rows = min(chunk_rows(n, config), t)
+        stride_buf = buffer_width(n)
+        buf = torch.empty((rows, stride_buf), dtype=torch.int32, device=q.device)
+        for row0 in range(0, t, rows):
+            chunk = min(rows, t - row0)
+            grid = (triton.cdiv(n, config.block_n), triton.cdiv(chunk, config.block_t))
+            _score_kernel[grid](
+                q, keys, weights, lo, hi, buf,
+                row0, chunk, n,
+                q.stride(0), q.stride(1), keys.stride(0), weights.stride(0), weights.stride(1), stride_buf,
+                H=h, D=d, BLOCK_D=max(16, triton.next_power_of_2(d)),
+                BLOCK_T=config.block_t, BLOCK_N=config.block_n,
+                RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+            _select_kernel[(triton.cdiv(chunk, config.select_rows),)](
+                buf, lo, hi, packed,
+                row0, chunk, n, topk, stride_buf,
+                ROWS=config.select_rows, BLOCK=config.select_block, RADIX_BITS=config.radix_bits,
+                PASSES=triton.cdiv(32, config.radix_bits),
+                num_warps=config.select_warps,
+            )
         for start in range(0, t, _SORT_ROWS):  # (score desc, index asc); -1 for empty slots
-            rows = packed[start:start + _SORT_ROWS]
-            ordered = torch.sort(rows, dim=1).values
-            rows.copy_(torch.where(ordered == _EMPTY, -1, ordered & 0xFFFFFFFF))
+            part = packed[start:start + _SORT_ROWS]
+            ordered = torch.sort(part, dim=1).values
+            part.copy_(torch.where(ordered == _EMPTY, -1, ordered & 0xFFFFFFFF))
         return packed
