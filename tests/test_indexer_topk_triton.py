@@ -69,16 +69,14 @@ def assert_equal_up_to_rounding(got, ref, scores, lo, hi, tol) -> None:
 
 
 def _variants() -> dict:
-    """Launch configs the cases run under: the default tiles with 16 rows per selection program
-    (the interpreter pays per program; the GPU default is 1 row), and small tiles with an uneven
+    """Launch configs the cases run under: the defaults, and small tiles with an uneven
     5-bit radix (7 passes, the last 2 bits wide), 64-key selection blocks and a 16 KiB score buffer
     (several query chunks for n >= 64)."""
     from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG, LaunchConfig
 
     return {
-        "wide": replace(DEFAULT_CONFIG, select_rows=16),
-        "small": LaunchConfig(block_t=16, block_n=32, num_warps=4, num_stages=2, select_rows=8,
-                              select_block=64, radix_bits=5, score_buffer_bytes=16 * 2**10),
+        "wide": DEFAULT_CONFIG,
+        "small": LaunchConfig(block_t=16, block_n=32, num_warps=4, num_stages=2, select_block=64, radix_bits=5, score_buffer_bytes=16 * 2**10),
     }
 
 
@@ -317,9 +315,9 @@ def test_cpu_tensors_rejected() -> None:
         range_topk_triton(torch.randn(4, 2, 16), torch.randn(8, 16), torch.rand(4, 2), lo, hi, topk=2, relu=True)
 
 
-GPU_CONFIGS = {  # the default, and 11/11/10-bit passes, 2 rows per selection program, 8 query chunks
+GPU_CONFIGS = {  # the default, and 11/11/10-bit passes with 8 query chunks
     "default": {},
-    "radix11_chunks": {"radix_bits": 11, "select_rows": 2, "score_buffer_bytes": 8 * 2**20},
+    "radix11_chunks": {"radix_bits": 11, "score_buffer_bytes": 8 * 2**20},
 }
 
 

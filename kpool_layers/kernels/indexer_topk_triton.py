@@ -19,7 +19,7 @@ Queries are processed in chunks of ``R`` rows; per chunk two kernels run:
    ``n`` rounded up to 16). Entries of skipped blocks stay unwritten: the selection reads only
    ``[lo, hi)``. The head sum starts from ``+0.0``, so a ``-0.0`` score does not arise; the fold
    is kept as a guard.
-2. Selection, ``select_rows`` query rows per program (default 1): an exact radix select of the
+2. Selection, one query row per program: an exact radix select of the
    ``k = min(topk, count)`` smallest ``v`` among a row's ``count`` visible keys, reading the row
    from the buffer in blocks of ``select_block`` keys. Each histogram pass counts digit ``p``
    (``radix_bits`` wide, most significant first) of the keys whose higher digits equal the prefix
@@ -74,7 +74,6 @@ class LaunchConfig:
     block_n: int = 128  # scoring: keys per program (tensor-core N), power of 2 >= 16
     num_warps: int = 4  # scoring
     num_stages: int = 3  # scoring: pipeline depth of the head loop
-    select_rows: int = 1  # selection: query rows per program, power of 2
     select_block: int = 1024  # selection: keys per step, power of 2 <= 32768
     select_warps: int = 4  # selection
     radix_bits: int = 8  # selection: digit width, 1 .. 16 (ceil(32 / radix_bits) passes at most)
@@ -130,76 +129,70 @@ def _score_kernel(
 @triton.jit
 def _select_kernel(
     buf_ptr, lo_ptr, hi_ptr, out_ptr,
-    row0, rows, n, topk, stride_buf,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PASSES: tl.constexpr,
+    row0, n, topk, stride_buf,
+    BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PASSES: tl.constexpr,
 ):
-    """Program ``i``: for each query ``row0 + r`` (``r = i * ROWS ..``), the ``min(topk, count)``
-    smallest ``(v, index)`` of ``buf[r, lo:hi]``, packed into ``out[row0 + r, :]`` (unordered)."""
+    """Program ``r``: for query ``row0 + r``, the ``min(topk, count)`` smallest ``(v, index)`` of
+    ``buf[r, lo:hi]``, packed into ``out[row0 + r, :]`` (unordered). One row per program, every
+    tensor 1-D: a first version that ran several rows per program as 2-D tiles selected too few
+    keys on an H200 (triton 3.6; results changed with the warp count) while passing under the
+    interpreter; the cause was not isolated (a probe of ``tl.histogram`` on a reshaped tile
+    counted exactly), and this form passes the GPU tests (docs/benchmarks.md)."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
-    local = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # rows of the chunk
-    row_ok = local < rows
+    local = tl.program_id(0)
     row = (row0 + local).to(tl.int64)
-    lo = tl.maximum(tl.load(lo_ptr + row, mask=row_ok, other=0), 0).to(tl.int32)
-    hi = tl.minimum(tl.load(hi_ptr + row, mask=row_ok, other=0), n).to(tl.int32)
-    count = tl.where(row_ok, tl.maximum(hi - lo, 0), 0)
+    lo = tl.maximum(tl.load(lo_ptr + row), 0).to(tl.int32)
+    hi = tl.minimum(tl.load(hi_ptr + row), n).to(tl.int32)
+    count = tl.maximum(hi - lo, 0)
     k = tl.minimum(count, topk)
-    first = tl.min(tl.where(count > 0, lo, n), axis=0) // BLOCK * BLOCK  # aligned block starts
-    stop = tl.max(tl.where(count > 0, hi, 0), axis=0)
-    buf_rows = buf_ptr + local[:, None].to(tl.int64) * stride_buf
-    lo, hi = lo[:, None], hi[:, None]
-    bins = tl.arange(0, NBINS)[None, :]
-    bin_base = (tl.arange(0, ROWS) * NBINS)[:, None]  # every row's slice of the histogram
+    first = lo // BLOCK * BLOCK  # aligned block starts
+    buf_row = buf_ptr + local.to(tl.int64) * stride_buf
+    bins = tl.arange(0, NBINS)
 
-    prefix = tl.zeros([ROWS], dtype=tl.uint32)  # digits of the k-th key found so far
-    known = tl.zeros([ROWS], dtype=tl.uint32)  # bit mask of those digits
+    prefix = tl.zeros([], dtype=tl.uint32)  # digits of the k-th key found so far
+    known = tl.zeros([], dtype=tl.uint32)  # bit mask of those digits
     rem = k  # keys still to take from the bucket (the keys whose known digits equal the prefix)
     bucket = count  # size of the bucket
     for p in tl.static_range(PASSES):
         top = 32 - RADIX_BITS * p  # constexpr: bits [shift, top) are this pass's digit
         shift = top - RADIX_BITS if top > RADIX_BITS else 0
         digit_mask = (1 << (top - shift)) - 1
-        active = bucket > rem  # else the bucket is exactly what is still needed: take it whole
-        if tl.max(active.to(tl.int32), axis=0) > 0:
-            hist = tl.zeros([ROWS * NBINS], dtype=tl.int32)
-            for start in range(first, stop, BLOCK):
-                cols = start + tl.arange(0, BLOCK)[None, :]
+        if bucket > rem:  # else the bucket is exactly what is still needed: take it whole
+            hist = tl.zeros([NBINS], dtype=tl.int32)
+            for start in range(first, hi, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
                 vis = (cols >= lo) & (cols < hi)
-                v = tl.load(buf_rows + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
-                same = vis & active[:, None] & ((v & known[:, None]) == prefix[:, None])
-                slot = ((v >> shift) & digit_mask).to(tl.int32) + bin_base
-                hist += tl.histogram(tl.reshape(slot, (ROWS * BLOCK,)), ROWS * NBINS,
-                                     mask=tl.reshape(same, (ROWS * BLOCK,)))
-            hist = tl.reshape(hist, (ROWS, NBINS))
-            below = tl.cumsum(hist, axis=1)  # keys of the bucket with this digit or a better one
-            digit = tl.sum((below < rem[:, None]).to(tl.int32), axis=1)  # digit of the k-th key
-            at = bins == digit[:, None]
-            rem = tl.where(active, rem - tl.sum(tl.where(at, below - hist, 0), axis=1), rem)
-            bucket = tl.where(active, tl.sum(tl.where(at, hist, 0), axis=1), bucket)
-            prefix = tl.where(active, prefix | (digit.to(tl.uint32) << shift), prefix)
-            known = tl.where(active, known | tl.full([ROWS], digit_mask << shift, tl.uint32), known)
+                v = tl.load(buf_row + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
+                same = vis & ((v & known) == prefix)
+                hist += tl.histogram(((v >> shift) & digit_mask).to(tl.int32), NBINS, mask=same)
+            below = tl.cumsum(hist, axis=0)  # keys of the bucket with this digit or a better one
+            digit = tl.sum((below < rem).to(tl.int32), axis=0)  # digit of the k-th key
+            at = bins == digit
+            rem -= tl.sum(tl.where(at, below - hist, 0), axis=0)
+            bucket = tl.sum(tl.where(at, hist, 0), axis=0)
+            prefix = prefix | (digit.to(tl.uint32) << shift)
+            known = known | tl.full([], digit_mask << shift, tl.uint32)
 
     # the keys below the bucket (k - rem of them), then the bucket's first rem in key order
-    out_rows = out_ptr + row[:, None] * topk
-    n_better = (k - rem)[:, None]
-    rem = rem[:, None]
-    known, prefix = known[:, None], prefix[:, None]
-    run_better = tl.zeros([ROWS, 1], dtype=tl.int32)
-    run_tied = tl.zeros([ROWS, 1], dtype=tl.int32)
-    for start in range(first, stop, BLOCK):
-        cols = start + tl.arange(0, BLOCK)[None, :]
+    out_row = out_ptr + row * topk
+    n_better = k - rem
+    run_better = tl.zeros([], dtype=tl.int32)
+    run_tied = tl.zeros([], dtype=tl.int32)
+    for start in range(first, hi, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
         vis = (cols >= lo) & (cols < hi)
-        v = tl.load(buf_rows + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
+        v = tl.load(buf_row + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
         better = vis & ((v & known) < prefix)
         tied = vis & ((v & known) == prefix)
         flags = better.to(tl.int32) | (tied.to(tl.int32) << 16)  # one scan counts both (BLOCK < 2^16)
-        upto = tl.cumsum(flags, axis=1)
+        upto = tl.cumsum(flags, axis=0)
         upto_better = run_better + (upto & 0xFFFF)
         upto_tied = run_tied + (upto >> 16)
         pos = tl.where(better, upto_better - 1, n_better + upto_tied - 1)
         take = (better & (upto_better <= n_better)) | (tied & (upto_tied <= rem))
         high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
-        tl.store(out_rows + pos, (high << 32) | cols.to(tl.int64), mask=take)
-        total = tl.sum(flags, axis=1, keep_dims=True)
+        tl.store(out_row + pos, (high << 32) | cols.to(tl.int64), mask=take)
+        total = tl.sum(flags, axis=0)
         run_better += total & 0xFFFF
         run_tied += total >> 16
 
@@ -277,10 +270,10 @@ def range_topk_triton(
                 RELU=relu, PRECISION="ieee" if dtype == torch.float32 else "tf32",
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
-            _select_kernel[(triton.cdiv(chunk, config.select_rows),)](
+            _select_kernel[(chunk,)](
                 buf, lo, hi, packed,
-                row0, chunk, n, topk, stride_buf,
-                ROWS=config.select_rows, BLOCK=config.select_block, RADIX_BITS=config.radix_bits,
+                row0, n, topk, stride_buf,
+                BLOCK=config.select_block, RADIX_BITS=config.radix_bits,
                 PASSES=triton.cdiv(32, config.radix_bits),
                 num_warps=config.select_warps,
             )

@@ -49,15 +49,15 @@ SWEEP = [  # scoring tiles and pipeline, then the selection's rows, block, warps
         {}, {"num_warps": 8}, {"num_stages": 2}, {"num_stages": 4}, {"block_n": 64},
         {"block_n": 256, "num_warps": 8}, {"block_t": 128, "num_warps": 8}, {"block_t": 128, "block_n": 64},
         {"select_block": 2048}, {"select_block": 2048, "select_warps": 8}, {"select_block": 512},
-        {"select_rows": 2}, {"select_rows": 4, "select_warps": 8}, {"radix_bits": 11}, {"radix_bits": 6},
+        {"select_warps": 8}, {"radix_bits": 11}, {"radix_bits": 6},
         {"score_buffer_bytes": 64 * 2**20}, {"score_buffer_bytes": 2 * 2**30},
     ]
 ]
-KNOBS = ("block_t", "block_n", "num_warps", "num_stages", "select_rows", "select_block", "select_warps",
+KNOBS = ("block_t", "block_n", "num_warps", "num_stages", "select_block", "select_warps",
          "radix_bits", "score_buffer_bytes")
-CHECK_CONFIGS = {  # the default, and 11/11/10-bit passes, 2 rows per selection program, 8 query chunks at 4K
+CHECK_CONFIGS = {  # the default, and 11/11/10-bit passes with 8 query chunks at 4K
     "default": LaunchConfig(),
-    "radix11_chunks": LaunchConfig(radix_bits=11, select_rows=2, score_buffer_bytes=8 * 2**20),
+    "radix11_chunks": LaunchConfig(radix_bits=11, score_buffer_bytes=8 * 2**20),
 }
 
 
