@@ -15,8 +15,8 @@ import os
 import subprocess
 import sys
 import traceback
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable, Optional
 
 import pytest
@@ -75,12 +75,13 @@ def _variants() -> dict:
     from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG, LaunchConfig
 
     return {
-        "wide": DEFAULT_CONFIG,
-        "small": LaunchConfig(block_t=16, block_n=32, num_warps=4, num_stages=2, select_block=64, radix_bits=5, score_buffer_bytes=16 * 2**10),
+        "default": DEFAULT_CONFIG,
+        "small": LaunchConfig(block_t=16, block_n=32, num_warps=4, num_stages=2, select_block=64,
+                              radix_bits=5, score_buffer_bytes=16 * 2**10),
     }
 
 
-VARIANTS = ("wide", "small")
+VARIANTS = ("default", "small")
 _config: list = [None]  # the variant the cases run under (None: DEFAULT_CONFIG)
 
 
@@ -257,14 +258,12 @@ def case_several_chunks_kpool() -> None:
     assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=topk, relu=True, chunk_size=16))
 
 
-def case_default_config() -> None:
-    """DEFAULT_CONFIG as is (one query row per selection program), packed documents with ties."""
-    from kpool_layers.kernels.indexer_topk_triton import DEFAULT_CONFIG
-
+def case_packed_ties() -> None:
+    """Packed documents with scores on three levels (many ties across the k-th score)."""
     gen = torch.Generator().manual_seed(29)
     lo, hi, n = layout_range(40, 1, [26, 14])
     q, keys, w = grid_inputs(40, 2, 16, n, gen, levels=3)
-    got = _range_topk(q, keys, w, lo, hi, topk=8, relu=True, config=DEFAULT_CONFIG)
+    got = _range_topk(q, keys, w, lo, hi, topk=8, relu=True)
     assert torch.equal(got, chunked_range_topk(q, keys, w, lo, hi, topk=8, relu=True, chunk_size=16))
 
 

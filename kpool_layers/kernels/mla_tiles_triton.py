@@ -44,19 +44,27 @@ def scores(q, qt, k, kt, T: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
-                   HAS_QPOS: tl.constexpr):
-    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query row ``(bi, i)``:
-    ``KSTART[i] <= key <= QPOS[i]`` (0 and ``i`` when absent)."""
-    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
+def visible_range(KSTART, QPOS, i, HAS_KSTART: tl.constexpr, HAS_QPOS: tl.constexpr):
+    """int64 ``(lowest, highest)`` keys query row ``i`` may see, both inclusive: ``KSTART[i]`` (0
+    when absent) and ``QPOS[i]`` (``i`` when absent: causal)."""
     if HAS_KSTART:
         lowest = tl.load(KSTART + i).to(tl.int64)
     else:
-        lowest = 0
+        lowest = i.to(tl.int64) * 0
     if HAS_QPOS:
         highest = tl.load(QPOS + i).to(tl.int64)
     else:
-        highest = i
+        highest = i.to(tl.int64)
+    return lowest, highest
+
+
+@triton.jit
+def selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: tl.constexpr,
+                   HAS_QPOS: tl.constexpr):
+    """Key positions (int64, 0 where invalid) and validity of ``slots`` of query row ``(bi, i)``:
+    inside :func:`visible_range`."""
+    keys = tl.load(IDX + bi * si_b + i * si_s + slots, mask=slots < W, other=-1).to(tl.int64)
+    lowest, highest = visible_range(KSTART, QPOS, i, HAS_KSTART, HAS_QPOS)
     valid = (keys >= lowest) & (keys <= highest) & (slots < W)
     return tl.where(valid, keys, 0), valid
 

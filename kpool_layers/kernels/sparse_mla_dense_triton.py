@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots
+from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots, visible_range
 
 DENSE_HEAD_KEYS_PER_SLOT = 256
 """:func:`dense_pays` while ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
@@ -99,7 +99,7 @@ def _mask_kernel(IDX, KSTART, QPOS, BITS, S, W, NW, si_b, si_s, BW: tl.constexpr
 @triton.jit
 def _selected(BITS, row_word, keys, mask):
     """Whether the row whose ``BITS`` words start at ``row_word`` selected ``keys`` (shapes
-    broadcast); False where ``mask`` is."""
+    broadcast); False where ``mask`` is False."""
     words = tl.load(BITS + row_word + (keys >> 5), mask=mask, other=0)
     return ((words >> (keys & 31).to(tl.int32)) & 1) != 0
 
@@ -118,14 +118,7 @@ def _softmax_kernel(SC, P, BITS, KSTART, QPOS, LSE, t0, bi, S, B, N, NW, L, scal
     hmask = heads < N
     rows = ((tok - t0) * N + heads).to(tl.int64) * L
     word = (bi * S + tok).to(tl.int64) * NW
-    if HAS_KSTART:
-        lo = tl.load(KSTART + tok).to(tl.int64)
-    else:
-        lo = 0
-    if HAS_QPOS:
-        hi = tl.load(QPOS + tok).to(tl.int64)
-    else:
-        hi = tok.to(tl.int64)
+    lo, hi = visible_range(KSTART, QPOS, tok, HAS_KSTART, HAS_QPOS)
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     for n0 in range((lo // BN) * BN, hi + 1, BN):
@@ -249,6 +242,18 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
 
 
+def _mm_rows(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`_mm` into ``out [tokens, n, c]`` (a chunk's rows of one batch row of an
+    ``[s, b, n, c]`` tensor): in place when they are contiguous (``b == 1``), else through a
+    temporary and one copy."""
+    if out.is_contiguous():
+        _mm(a, b, out.view(a.size(0), b.size(1)))
+    else:
+        rows = out.new_empty(a.size(0), b.size(1))
+        _mm(a, b, rows)
+        out.copy_(rows.view(out.shape))
+
+
 def selection_bits(topk_indices: torch.Tensor, key_start: torch.Tensor | None,
                    query_pos: torch.Tensor | None, s_kv: int) -> torch.Tensor:
     """int32 ``[b, s_q, ceil(s_kv / 32)]``: bit ``k % 32`` of word ``k // 32`` of row ``(b, i)``
@@ -293,12 +298,7 @@ def dense_forward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Tens
                 query_pos if query_pos is not None else bits, lse2, t0, bi, s, b, n,
                 bits.size(-1), keys, softmax_scale * LOG2E, HAS_KSTART=key_start is not None,
                 HAS_QPOS=query_pos is not None, **cfg)
-            if b == 1:  # the chunk's rows of out are contiguous
-                _mm(p, k_c[:, :v], out[t0:t1, 0].view(r, v))
-            else:
-                o = query.new_empty(r, v)
-                _mm(p, k_c[:, :v], o)
-                out[t0:t1, bi] = o.view(t1 - t0, n, v)
+            _mm_rows(p, k_c[:, :v], out[t0:t1, bi])
     return out, lse2
 
 
@@ -346,10 +346,7 @@ def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Ten
                 BT=pow2(d - v), PREC="ieee" if query.dtype == torch.float32 else "tf32", **cfg)
             q_c = query[t0:t1, bi].reshape(r, d)
             k_c = latent_kv[:keys, bi, 0]
-            if b == 1:  # the chunk's rows of grad_query are contiguous
-                _mm(ds, k_c, grad_query[t0:t1, 0].view(r, d))
-            else:
-                grad_query[t0:t1, bi] = torch.mm(ds, k_c).view(t1 - t0, n, d)
+            _mm_rows(ds, k_c, grad_query[t0:t1, bi])
             _accumulate(grad_kv[bi, :keys], ds.t(), q_c)
             _accumulate(grad_kv[bi, :keys, :v], p.t(), do[t0:t1, bi].reshape(r, v))
     return grad_query, grad_kv.transpose(0, 1).unsqueeze(2).to(latent_kv.dtype)
