@@ -78,7 +78,10 @@ def test_switch_refused_once_state_exists() -> None:
 @pytest.mark.parametrize("flags,on_param", [({"fused": True}, True), ({"capturable": True}, True),
                                             ({"fused": False, "capturable": False}, False)])
 def test_adam_step_placement(flags: dict, on_param: bool) -> None:
-    param = torch.nn.Parameter(torch.zeros(2))
+    param = torch.nn.Parameter(torch.zeros(2, device="meta"))  # a device other than the CPU
     step = adam_step(5, param, flags)
-    assert step.dtype == torch.float32 and step.item() == 5.0 and step.dim() == 0
-    assert step.device == (param.device if on_param else torch.device("cpu"))
+    assert step.dtype == torch.float32 and step.dim() == 0
+    assert step.device == (torch.device("meta") if on_param else torch.device("cpu"))
+    if not on_param:
+        assert step.item() == 5.0
+    assert adam_step(5, torch.nn.Parameter(torch.zeros(2)), flags).item() == 5.0
