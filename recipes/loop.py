@@ -37,7 +37,6 @@ from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.console import duration
 from recipes.data_checks import check_indexed_data
-from recipes.optimizer import build_optimizer
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import check_all, dry_run, flop_model
 from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
@@ -46,6 +45,7 @@ from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_me
                              reset_peak_memory)
 from recipes.model import build_gpt_model
 from recipes.nonfinite import NonFiniteGuard
+from recipes.optimizer import build_optimizer
 from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
