@@ -6,7 +6,9 @@ factory calls with ``device='cuda'`` / ``torch.cuda.current_device()``, ``.cuda(
 :func:`install` redirects all of them to the CPU so that the *same* megatron code paths that run
 on GPUs run on CPU/gloo in tests. It is a no-op when CUDA is available and is idempotent.
 
-Nothing else in the project patches megatron or torch.
+Besides this module, only two fill megatron's own seams for optional TE/apex kernels, where
+neither is installed: :mod:`recipes.multi_tensor` (multi-tensor norm and scale) and
+:mod:`kpool_layers.wgrad_accumulation` (apex's fused weight-gradient accumulation).
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ parameter dtype when the linear is built; the precision map is read from the mod
   or on ``LinearWithGradAccumulationAndAsyncCommunication``. Not supported with a replaced GEMM
   (refused at build): ``defer_embedding_wgrad_compute`` and ``gtp_remat_size > 1``; gradient
   accumulation fusion and the async dgrad/wgrad overlap are not used (the weight gradient lands
-  in ``weight.grad``; megatron's DDP hook adds it into ``main_grad``).
+  in ``weight.grad``; megatron's DDP hook adds it into ``main_grad``). Roles that run megatron's
+  ``forward`` get its fusion under DDP (:mod:`kpool_layers.wgrad_accumulation`).
 * :class:`RoleDuplicatedLinear` - a bias-free ``nn.Linear`` replicated on every TP rank (the
   indexer's projections), same role logic on ``nn.Linear``'s ``forward``.
 * :class:`RoleTopKRouter` - megatron's ``TopKRouter`` tagged ``moe.router`` (it computes its

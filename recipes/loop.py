@@ -116,7 +116,7 @@ def _checked(composed: DictConfig, run_dir: Path, world_size: int) -> tuple[Conf
 
 def _build(cfg: Config) -> Trainer:
     distributed.init_model_parallel(cfg.parallelism, cfg.train.seed)
-    tcfg = to_transformer_config(cfg)
+    tcfg = to_transformer_config(cfg, ddp=True)
     model: torch.nn.Module = build_gpt_model(cfg, tcfg)
     if not torch.cuda.is_available():
         model = model.to(torch.float32 if not tcfg.bf16 else torch.bfloat16)
@@ -264,7 +264,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
             )
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
             loss = _reduce_loss(reports, device)
-            grad_norm: Optional[float] = math.nan  # logged as such when the update is skipped
+            grad_norm: Optional[float | torch.Tensor] = math.nan  # logged as such when the update is skipped
             if nonfinite.apply_step(progress.step + 1, loss, trainer.model,
                                     f"the last checkpoint in {ckpt_root} holds the last saved state"):
                 _, grad_norm, _ = trainer.optimizer.step()
@@ -318,13 +318,13 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
     return loss
 
 
-def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float],
+def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float | torch.Tensor],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
               flops: FlopModel, device: torch.device, total_steps: int,
               extra: dict[str, float], timing: str) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
-    scalars = {"loss": loss, "grad_norm": float(grad_norm or 0.0), "lr": lr,
+    scalars = {"loss": loss, "grad_norm": 0.0 if grad_norm is None else float(grad_norm), "lr": lr,
                "tokens_per_s": tokens_per_s, "step_time_s": step_time,
                "peak_mem_gib": peak_memory_gib(device), **extra}
     line = (f"step {step:>5}/{total_steps} | loss {loss:.4f} | grad_norm {scalars['grad_norm']:.3f}"

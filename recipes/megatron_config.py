@@ -16,7 +16,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from kpool_layers import dsa_kernels, model_facts
+from kpool_layers import dsa_kernels, model_facts, wgrad_accumulation
 from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_gemm import supports_policy
@@ -45,8 +45,18 @@ def grouped_experts(model_grouped_gemm: bool | None, policy: PrecisionPolicy, on
     return bool(model_grouped_gemm)
 
 
-def to_transformer_config(cfg: Config) -> GLMTransformerConfig:
-    """The composed config -> ``GLMTransformerConfig``."""
+def _wgrad_fusion(ddp: bool) -> bool:
+    """megatron's gradient-accumulation fusion under DDP, with this project's kernel where apex's
+    is missing (megatron checks for one when it builds a linear)."""
+    if ddp:
+        wgrad_accumulation.install()
+    return ddp
+
+
+def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfig:
+    """The composed config -> ``GLMTransformerConfig``; ``ddp``: the model trains under megatron's
+    DDP (``main_grad`` buffers), so its linears accumulate weight gradients straight into them
+    (gradient-accumulation fusion, :mod:`kpool_layers.wgrad_accumulation`)."""
     m, par = cfg.model, cfg.parallelism
     fields = {f.name for f in dataclasses.fields(GLMTransformerConfig)}
     copied = {k: v for k, v in plain(m).items() if k not in _NOT_COPIED}
@@ -97,9 +107,10 @@ def to_transformer_config(cfg: Config) -> GLMTransformerConfig:
         # megatron's schedules hand the main loss's backward scale to the indexer loss through it.
         experimental_attention_variant_loss_scale_func=(
             IndexerLossAutoScaler.set_loss_scale if copied["dsa_indexer_loss_coeff"] else None),
-        # Kernels: the local backend uses plain torch ops (no apex/TE fusions).
+        # Kernels: the local backend uses plain torch ops (no apex/TE fusions but the weight
+        # gradients' accumulation into DDP's main_grad).
         use_cpu_initialization=not on_gpu,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=_wgrad_fusion(ddp),
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,

@@ -10,7 +10,8 @@ group. :func:`build_optimizer` switches megatron's fallback to it, at the build,
 fused kernel for the parameters' device (CUDA and CPU): the same algorithm, hyper-parameters and
 state layout (``exp_avg``, ``exp_avg_sq`` per main parameter), with each parameter's ``step`` a
 scalar tensor on the parameter's device (torch's rule for fused; :func:`adam_step` makes them so).
-With TE or apex installed, megatron's ``FusedAdam`` is kept as it is.
+With TE or apex installed, megatron's ``FusedAdam`` is kept as it is. The gradient norm and
+clipping around the step get torch's multi-tensor kernels the same way (:mod:`recipes.multi_tensor`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
+from recipes import multi_tensor
 from recipes.schema import ParallelismConfig, TrainConfig
 
 
@@ -69,7 +71,9 @@ def build_optimizer(ddp: DistributedDataParallel, train: TrainConfig, par: Paral
                     bf16: bool, params_dtype: torch.dtype) -> MegatronOptimizer:
     """megatron's Adam optimizer for ``ddp``'s parameters from ``train.*`` (lr, betas, eps,
     weight decay, gradient clipping), distributed where ``parallelism.use_distributed_optimizer``
-    says; its torch fallback fused (:func:`use_fused_adam`)."""
+    says; its torch fallback fused (:func:`use_fused_adam`) and its gradient norm and clipping on
+    torch's multi-tensor kernels (:func:`recipes.multi_tensor.install`)."""
+    multi_tensor.install()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=train.lr, min_lr=train.min_lr, weight_decay=train.weight_decay,

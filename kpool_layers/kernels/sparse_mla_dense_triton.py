@@ -57,6 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kpool_layers.kernels.accumulate import accumulate_matmul
 from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots, visible_range
 
 DENSE_HEAD_KEYS_PER_SLOT = 256
@@ -302,16 +303,6 @@ def dense_forward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Tens
     return out, lse2
 
 
-def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` (fp32 ``acc``) with fp32 accumulation and no rounding of the product to
-    ``a``'s dtype: one cuBLAS GEMM accumulating into ``acc`` (beta = 1, fp32 output of bf16/fp16
-    operands) on CUDA, exact fp32 products elsewhere."""
-    if a.is_cuda and a.dtype != torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc += a.float() @ b.float()
-
-
 def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Tensor,
                   query_pos: torch.Tensor | None, out: torch.Tensor, lse2: torch.Tensor,
                   grad_out: torch.Tensor, softmax_scale: float, v_channels: int
@@ -347,6 +338,6 @@ def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Ten
             q_c = query[t0:t1, bi].reshape(r, d)
             k_c = latent_kv[:keys, bi, 0]
             _mm_rows(ds, k_c, grad_query[t0:t1, bi])
-            _accumulate(grad_kv[bi, :keys], ds.t(), q_c)
-            _accumulate(grad_kv[bi, :keys, :v], p.t(), do[t0:t1, bi].reshape(r, v))
+            accumulate_matmul(grad_kv[bi, :keys], ds.t(), q_c)
+            accumulate_matmul(grad_kv[bi, :keys, :v], p.t(), do[t0:t1, bi].reshape(r, v))
     return grad_query, grad_kv.transpose(0, 1).unsqueeze(2).to(latent_kv.dtype)

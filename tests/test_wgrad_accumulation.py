@@ -1,0 +1,96 @@
+"""kpool_layers.wgrad_accumulation: megatron's gradient-accumulation fusion without apex.
+
+End to end every training run uses it (``recipes.loop`` builds with ``ddp=True``; the training
+tests, resume bit-exactness included, run through it)."""
+
+from __future__ import annotations
+
+import megatron.core.tensor_parallel.layers as megatron_layers
+import pytest
+import torch
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from kpool_layers import wgrad_accumulation
+from tests.op_counts import OwnOps
+
+
+def test_fp32_accumulation_adds_the_exact_product() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(9, 6, generator=gen), torch.randn(9, 4, generator=gen)
+    main_grad = torch.randn(4, 6, generator=gen)
+    want = main_grad + g.t() @ x  # the unfused path for fp32 weights: the wgrad, then DDP's add
+    wgrad_accumulation.wgrad_gemm_accum_fp32(x, g, main_grad)
+    assert torch.equal(main_grad, want)
+    # bf16 operands: the product in fp32, never rounded to bf16
+    xb, gb, acc = x.bfloat16(), g.bfloat16(), torch.zeros(4, 6)
+    wgrad_accumulation.wgrad_gemm_accum_fp32(xb, gb, acc)
+    assert torch.equal(acc, gb.float().t() @ xb.float())
+
+
+def test_16_bit_main_grad_accumulates_in_its_dtype() -> None:
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(9, 6, generator=gen).bfloat16(), torch.randn(9, 4, generator=gen).bfloat16()
+    main_grad = torch.randn(4, 6, generator=gen).bfloat16()
+    want = torch.addmm(main_grad, g.t(), x)
+    wgrad_accumulation.wgrad_gemm_accum_fp16(x, g, main_grad)
+    assert torch.equal(main_grad, want)
+
+
+def test_install_keeps_apex_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(megatron_layers, "_grad_accum_fusion_available", False)
+    monkeypatch.setattr(megatron_layers, "fused_weight_gradient_mlp_cuda", None, raising=False)
+    wgrad_accumulation.install()
+    wgrad_accumulation.install()
+    assert megatron_layers._grad_accum_fusion_available
+    assert megatron_layers.fused_weight_gradient_mlp_cuda is wgrad_accumulation.FUSED_WGRAD
+    apex = object()
+    monkeypatch.setattr(megatron_layers, "fused_weight_gradient_mlp_cuda", apex)
+    wgrad_accumulation.install()
+    assert megatron_layers.fused_weight_gradient_mlp_cuda is apex
+
+
+class _Pair(torch.nn.Module):
+    """megatron's column- then row-parallel linear (an MLP without activation)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        init = torch.nn.init.normal_
+        self.fc1 = ColumnParallelLinear(8, 12, config=config, init_method=init, bias=False)
+        self.fc2 = RowParallelLinear(12, 8, config=config, init_method=init, bias=False,
+                                     input_is_parallel=True, skip_bias_add=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(x)[0]))[0]
+
+
+def _main_grads(fusion: bool, micro_batches: int = 2) -> tuple[list[torch.Tensor], int]:
+    """``main_grad`` of both weights after ``micro_batches`` backward passes under megatron's DDP,
+    and the aten ops run outside the modules in backward (DDP's hooks)."""
+    if fusion:
+        wgrad_accumulation.install()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               use_cpu_initialization=True, gradient_accumulation_fusion=fusion)
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
+                                  _Pair(config))
+    ddp.zero_grad_buffer()
+    gen = torch.Generator().manual_seed(2)
+    with OwnOps(ddp) as ops:
+        for _ in range(micro_batches):
+            ddp(torch.randn(5, 3, 8, generator=gen)).square().sum().backward()
+    pair = ddp.module
+    return [pair.fc1.weight.main_grad.clone(), pair.fc2.weight.main_grad.clone()], ops.counts[("<outside>", "bwd")]
+
+
+def test_megatron_linears_accumulate_into_main_grad(single_rank_parallel_state) -> None:
+    """The same ``main_grad`` as the unfused path, bit for bit (fp32 weights: the same products
+    added in the same order), without DDP's per-weight add: one kernel less per weight and
+    micro-batch."""
+    fused, fused_ops = _main_grads(True)
+    plain, plain_ops = _main_grads(False)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert fused[0].abs().sum() > 0
+    assert plain_ops - fused_ops == 2 * 2  # two weights, two micro-batches
