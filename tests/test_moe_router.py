@@ -5,19 +5,20 @@ and its op budget (issue #12).
 
 Gradient tolerance (FP32, unit roundoff ``u = 2**-24``, ``gamma_n = n u / (1 - n u)``, Higham,
 Accuracy and Stability of Numerical Algorithms, 3.1). Both routers differentiate the same function
-at the same forward values (bit-identical ``scores s``, ``probs P``, normalisers ``d`` and ``D``,
+at the same forward values (bit-identical scores ``s``, probs ``P``, normalisers ``d`` and ``D``,
 shares ``a`` and counts ``c``); the exact logit gradient is
 ``s (1 - s) * [m (scale g - sum_e g_e P_e) / d + gL c' (c - sum_e c_e a_e) / D]``
 (``g`` = the probs' gradient, ``m`` the routing map, ``gL`` the loss's gradient, ``c'`` the loss's
-constant). Either computation evaluates it as sums of at most ``E`` terms (``sum_e``, or
-megatron's top-``k`` and row sums, ``k < E``) passed through at most 12 further roundings
-(megatron: scatter/gather are exact; mul by ``scale``, ``x / d``, ``x * self``, ``d * d``, the
-quotient, the two paths' adds at the chosen and at all scores, the ``/ D`` pair the same way, and
-``sigmoid_backward``'s two products), so each lies within ``gamma_{E+12} * M`` of the exact value,
-``M`` = the same expression with every term replaced by its absolute value; the two differ by at
-most ``2 gamma_{E+12} M`` (:func:`logit_grad_bound`). The gating GEMM carries it on:
-``|A W - B W|`` computed is at most ``|A - B| |W| + gamma_K (|A| + |B|) |W|``, ``K`` its reduction
-length (``E`` for the input gradient, ``N`` for the weight gradient).
+constant). Either computation is a sum of such terms, each carried through one reduction of at
+most ``E`` terms (``E - 1`` additions) and at most 14 other roundings; megatron's longest path (the
+shares' normaliser) has the most: the loss constant in FP32 and ``/ B`` (2), the per-token-loss
+scaling (2), ``* c`` (1), ``D * D``, ``* s`` and the quotient (3), the add to the numerator's path
+and to the probs' path (2; scatter and gather are exact), ``sigmoid_backward`` (``1 - s`` and two
+products, 3) - 13, one to spare. So each result lies within ``gamma_{E+13} M`` of the exact value,
+``M`` = the same expression with every term replaced by its absolute value, and the two within
+``2 gamma_{E+13} M`` of each other (:func:`logit_grad_bound`; observed: under 10% of it). The
+gating GEMM carries it on: ``|A W - B W|`` computed is at most ``|A - B| |W| + gamma_K (|A| + |B|)
+|W|``, ``K`` its reduction length (``E`` for the input gradient, ``N`` for the weight gradient).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ from tests.op_counts import OwnOps
 
 U = 2.0**-24
 HIDDEN, EXPERTS, TOPK = 24, 16, 4
+ROUNDINGS = EXPERTS + 13
+"""Roundings along one term's path in either gradient computation (module docstring)."""
 LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
 
 
@@ -134,7 +137,7 @@ def loss_terms(logits: torch.Tensor, groups: int, constant: float, group: Any = 
 
 def logit_grad_bound(cfg: TransformerConfig, out: dict[str, torch.Tensor], weight: torch.Tensor,
                      seq_length: int, loss_grad: float, group: Any = None) -> torch.Tensor:
-    """``2 gamma_{E+12} M`` per logit (module docstring), from megatron's forward values; the
+    """``2 gamma_{E+13} M`` per logit (module docstring), from megatron's forward values; the
     loss's counts and token total span ``group`` (megatron's TP x CP group) when given."""
     logits, probs, chosen = (out[k].double() for k in ("logits", "probs", "routing_map"))
     s = torch.sigmoid(logits)
@@ -149,7 +152,7 @@ def logit_grad_bound(cfg: TransformerConfig, out: dict[str, torch.Tensor], weigh
         if cfg.calculate_per_token_loss:  # megatron attaches loss * tokens
             loss_grad *= logits.shape[0]
         terms = terms + abs(loss_grad) * loss_terms(out["logits"], groups, constant, group)
-    return 2 * gamma(EXPERTS + 12) * s * (1 - s) * terms
+    return 2 * gamma(ROUNDINGS) * s * (1 - s) * terms
 
 
 def assert_within(fused: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> None:
@@ -192,7 +195,8 @@ def test_fused_router_matches_megatron(single_rank_parallel_state, case: str, pr
         assert_bits(got["tracked"][name], want["tracked"][name])
 
     bound = logit_grad_bound(cfg, want, weight, seq_length, loss_scale)
-    assert bound.max() <= 1e-5 * want["d_logits"].abs().max()  # a few ulps, not a loose check
+    # far below the gradient, not a vacuous check (M is up to ~10x it: c - c . a cancels)
+    assert bound.max() <= 1e-4 * want["d_logits"].abs().max()
     assert_within(got["d_logits"], want["d_logits"], bound)
     spread = got["d_logits"].double().abs() + want["d_logits"].double().abs()
     w = ref.weight.detach().double().abs()
@@ -219,7 +223,7 @@ def test_loss_alone_matches_megatron_functions(single_rank_parallel_state) -> No
     loss.backward()
     want.backward()
     s = torch.sigmoid(logits.double())
-    assert_within(mine.grad, ref.grad, 2 * gamma(EXPERTS + 12) * s * (1 - s) * loss_terms(logits, 1, constant))
+    assert_within(mine.grad, ref.grad, 2 * gamma(ROUNDINGS) * s * (1 - s) * loss_terms(logits, 1, constant))
 
 
 def _tensor_parallel_worker(rank: int, port: int) -> None:
@@ -320,18 +324,23 @@ def test_uncovered_calls_run_megatron(single_rank_parallel_state, monkeypatch) -
     assert_bits(fused.local_tokens_per_expert, ref.local_tokens_per_expert)
 
 
-FUSED_OWN_FWD = 1 + 20 + 3
-"""The gating GEMM (``mm``; FP32 weight and input: no casts); ours: sigmoid, ``+ expert_bias``;
-the shares (row ``sum``, ``+ eps``, ``div``); one ``topk`` of both; the map of both choices
-(``zeros``, ``scatter_``) and its counts (one ``sum``); the probs' normaliser (``gather``, ``sum``,
-``-eps - x``, ``/ map``) and the probs (``div``, ``mul_``); the loss (tokens ``sum``, ``* counts``,
-``sum``, ``* constant``); the expert-bias counts ``add_``; megatron's tracker record
-(``/ coeff``, the layer entry's ``add_`` and ``copy_``)."""
-FUSED_OWN_BWD = 10 + 2 + 2
-"""Ours: ``g * probs``, its row ``sum``, ``sub`` (``r - scale g``), ``div_`` (by the masked
-normaliser); the loss: shares times counts (``mul``, row ``sum``), ``counts - that``,
-``norm / gL``, ``addcdiv_``; ``sigmoid_backward``. megatron's ``MoEAuxLossAutoScaler`` (``ones_like``, ``mul``)
-and the gating GEMM's two ``mm``."""
+ROUTING_FWD = 2 + 3 + 1 + 3 + 6 + 4
+"""The Function's forward: sigmoid and ``+ expert_bias`` (written into the top-k input); the
+shares (row ``sum``, ``+ eps``, ``div``); one ``topk`` of both; the map of both choices
+(``zeros``, ``scatter_``) and its token counts (one ``sum``); the probs' normaliser (``gather``,
+``sum``, ``-eps - x``, ``/ map``) and the probs (``div``, ``mul_``); the loss (tokens ``sum``,
+``* counts``, ``sum``, ``* constant``)."""
+ROUTING_BWD = 4 + 5 + 1
+"""The Function's backward: ``g * probs``, its row ``sum``, ``r - scale g`` (``sub``), ``div_``
+by the masked normaliser; the loss: shares times counts (``mul``, row ``sum``), ``counts - that``
+(``sub``), ``norm / gL``, ``addcdiv_``; ``sigmoid_backward``."""
+FUSED_OWN_FWD = 1 + ROUTING_FWD + 1 + 3
+"""The gating GEMM (``mm``; FP32 weight and input: no casts), the Function, the expert-bias
+counts' ``add_``, megatron's tracker record (``/ coeff``, the layer entry's ``add_`` and
+``copy_``)."""
+FUSED_OWN_BWD = ROUTING_BWD + 2 + 2
+"""The Function, megatron's ``MoEAuxLossAutoScaler`` (``ones_like``, ``mul``), the gating GEMM's
+two ``mm``."""
 
 
 def test_launch_budget(single_rank_parallel_state) -> None:
@@ -354,5 +363,6 @@ def test_launch_budget(single_rank_parallel_state) -> None:
 
 
 def test_module_docstring_counts() -> None:
-    """The op counts the module docstring states are the pinned ones (ours, no gating/tracker)."""
-    assert "runs 19 ops" in moe_router.__doc__ and "runs 10" in moe_router.__doc__
+    """The op counts the module docstring states are the pinned ones."""
+    doc = " ".join(moe_router.__doc__.split())
+    assert f"forward runs {ROUTING_FWD} ops" in doc and f"backward runs {ROUTING_BWD}" in doc
