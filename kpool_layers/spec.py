@@ -13,7 +13,9 @@ Precision roles are decided here, by the spec: every linear of the MLP, the rout
 (``SequentialMLP`` builds its experts from the ``MLPSubmodules`` given), the shared expert and the
 router is a role-tagged class of :mod:`kpool_layers.linears` (``mlp.fc1/fc2``,
 ``moe.expert_fc1/fc2``, ``moe.shared_fc1/fc2``, ``moe.router``); the attention's roles come from
-``kpool_layers.attention.glm_attention_spec``. ``GroupedExperts`` has no linears: it computes the
+``kpool_layers.attention.glm_attention_spec``. The router is
+:class:`kpool_layers.moe_router.FusedTopKRouter`: megatron's ``TopKRouter`` (role-tagged) with the
+fused routing where the configuration allows it. ``GroupedExperts`` has no linears: it computes the
 ``moe.expert_fc1/fc2`` roles of ``config.precision`` itself (``kpool_layers.grouped_gemm``).
 """
 
@@ -38,7 +40,8 @@ from megatron.core.transformer.transformer_layer import (
 
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, RoleTopKRouter, role_builder
+from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
+from kpool_layers.moe_router import FusedTopKRouter
 from kpool_layers.norm import SPNorm
 from kpool_layers.precision import Role
 
@@ -71,7 +74,7 @@ def glm_mlp_spec(config: GLMTransformerConfig, moe: bool):  # noqa: ANN201 (mega
                partial(SequentialMLP, submodules=_mlp_submodules(Role.MOE_EXPERT_FC1, Role.MOE_EXPERT_FC2)))
     shared = partial(SharedExpertMLP, submodules=_mlp_submodules(Role.MOE_SHARED_FC1, Role.MOE_SHARED_FC2))
     return partial(MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
-                                                      router=RoleTopKRouter))
+                                                      router=FusedTopKRouter))
 
 
 def glm_layer_spec(config: GLMTransformerConfig, attention: ModuleSpec, moe: bool) -> ModuleSpec:
