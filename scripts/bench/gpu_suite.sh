@@ -3,7 +3,8 @@
 #   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]
 #   parts: tests attention kpool moe proxy train (default all), smla (Triton sparse-MLA check,
 #   timing, block-size sweep; on request); attention = both shapes, every
-#   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and serving_match
+#   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and serving_match;
+#   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -35,6 +36,13 @@ for part in $parts; do
              run "proxy_$p" 150 "$py" scripts/bench/profile_step.py experiment=glm5_proxy_h200 \
                precision=$p train.global_batch_size=2 --steps 2 --out "$out/proxy_$p.json"
            done ;;
+    proxy_ab) for p in bf16 serving_match; do  # the launch-saving choices on and off, side by side
+                for w in "" "--without multi_tensor wgrad_fusion fused_router"; do
+                  run "proxy_ab_${p}${w:+_without}" 150 "$py" scripts/bench/profile_step.py \
+                    experiment=glm5_proxy_h200 precision=$p train.global_batch_size=2 --steps 3 \
+                    --ops-by-module $w --out "$out/proxy_ab_${p}${w:+_without}.json"
+                done
+              done ;;
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;

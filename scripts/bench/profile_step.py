@@ -12,7 +12,10 @@ per micro-batch, the top operators by self device time, self CPU time on CPU). W
 are counted by call site (the innermost frames in this project and megatron). With
 ``--ops-by-module`` one more step runs under :class:`tests.op_counts.OwnOps`: the aten ops (each at
 least one kernel; Triton kernels are not aten ops and are not in it) by the class of the module
-whose own code ran them, forward and backward. ``--out`` writes the figures as JSON.
+whose own code ran them, forward and backward. ``--without NAME..`` builds without launch-saving
+choices (``multi_tensor``: megatron's per-tensor grad-norm / clip; ``wgrad_fusion``: weight
+gradients added by DDP's hook; ``fused_router``: megatron's routing) to measure them side by side.
+``--out`` writes the figures as JSON.
 """
 
 from __future__ import annotations
@@ -33,12 +36,36 @@ import torch
 from hydra import compose, initialize_config_dir
 from torch.autograd import DeviceType
 
+import recipes.megatron_config
+import recipes.multi_tensor
 from recipes import data as data_lib
 from recipes import distributed, loop
 from recipes.distributed import register_resolvers
 from recipes.dry_run import flop_model
 from recipes.schema import register_configs
 from recipes.typed_config import to_config
+
+
+def _switch_off_multi_tensor() -> None:
+    recipes.multi_tensor.install = lambda: False  # megatron's per-tensor grad-norm / clip loops
+
+
+def _switch_off_wgrad_fusion() -> None:
+    recipes.megatron_config._wgrad_fusion = lambda ddp: False  # weight grads through DDP's add
+
+
+def _switch_off_fused_router() -> None:
+    import kpool_layers.moe_router
+    kpool_layers.moe_router.uncovered = lambda router: "profile_step --without fused_router"
+
+
+WITHOUT: dict[str, Callable[[], None]] = {
+    "multi_tensor": _switch_off_multi_tensor,
+    "wgrad_fusion": _switch_off_wgrad_fusion,
+    "fused_router": _switch_off_fused_router,
+}
+"""Launch-saving build choices ``--without`` switches off, to measure each side by side with the
+same command (the step as it was before them)."""
 
 
 def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
@@ -89,7 +116,11 @@ def main() -> None:
                         help="count the aten ops of one more step by module class")
     parser.add_argument("--peak-tflops", type=float, default=756.0,
                         help="the GPU's dense bf16 rate for MFU (H200 measured: 756)")
+    parser.add_argument("--without", nargs="+", default=[], choices=sorted(WITHOUT),
+                        help="build without these launch-saving choices (the step before them)")
     args, overrides = parser.parse_known_args()
+    for name in args.without:
+        WITHOUT[name]()
     register_resolvers()
     register_configs()
     conf = Path(__file__).resolve().parents[2] / "conf"
@@ -139,7 +170,7 @@ def main() -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "launches_per_step": launches,
         "launches_per_microbatch": launches / trainer.num_microbatches,
-        "profiled_steps_s": times, "overrides": overrides,
+        "profiled_steps_s": times, "overrides": overrides, "without": args.without,
     }
     if args.sync_sites and device.type == "cuda":
         figures["host_syncs_by_site"] = sync_sites(step)
