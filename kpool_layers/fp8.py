@@ -54,6 +54,11 @@ Numerics, step by step, with sources
    ``sum_h w[q, h] * relu(q'[q, h] . k'[k])`` in FP32; the kernels compute
    ``relu(q_fp8 . k_fp8) * (w * s_q) * s_k`` instead, which is equal up to summation order
    (exactly so per product when the scales are powers of two).
+
+   On CUDA tensors that need no gradient (fp32 / bf16 / fp16) the whole path is one Triton kernel
+   (:mod:`kpool_layers.kernels.serving_quant_triton`, the same bits) instead of about 18 aten ops
+   and the Hadamard kernel; elsewhere the torch code of :func:`serving_index_quant` runs, which is
+   the reference the kernel is tested against (``tests/test_serving_quant_triton.py``).
 """
 
 from __future__ import annotations
@@ -214,6 +219,11 @@ def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") ->
             f"serving_index_quant needs a power-of-two channel count <= {BLOCK} "
             f"({BLOCK} on served models), got {d}"
         )
+    if x.is_cuda and not x.requires_grad:
+        from kpool_layers.kernels import serving_quant_triton
+
+        if serving_quant_triton.supports(x):
+            return serving_quant_triton.serving_index_quant_triton(x, scale_format)
     v = x.to(torch.bfloat16).float()
     v = hadamard_transform(v, d**-0.5).to(torch.bfloat16)
     scale = compute_scale(v.float().abs().amax(dim=-1, keepdim=True), scale_format)

@@ -201,18 +201,21 @@ def test_hadamard_triton_at_the_indexer_shape(dtype):
 
 @pytest.mark.gpu
 def test_serving_index_quant_is_unchanged_by_the_kernel(monkeypatch):
-    """``fp8.serving_index_quant`` (FP32 Hadamard of BF16-rounded values) gives the bits of the
-    butterfly with the kernel."""
+    """``fp8.serving_index_quant``'s torch code (FP32 Hadamard of BF16-rounded values) gives the bits
+    of the butterfly with the kernel. Its fused kernel (``tests/test_serving_quant_triton.py``) is
+    turned off here, so that the Hadamard kernel is what runs."""
     from kpool_layers import fp8
+    from kpool_layers.kernels import serving_quant_triton
 
+    monkeypatch.setattr(serving_quant_triton, "supports", lambda x: False)
     x = (torch.randn(4096, 33, 128, generator=torch.Generator().manual_seed(2)) * 3).cuda()
     v = x.to(torch.bfloat16).float()
     assert_same_bits(hadamard_transform(v, 128**-0.5), hadamard_butterfly(v, 128**-0.5), "fp32 hadamard")
     for scale_format in ("ue8m0", "amax"):
         got = fp8.serving_index_quant(x, scale_format)
-        monkeypatch.setattr(fp8, "hadamard_transform", hadamard_butterfly)
-        ref = fp8.serving_index_quant(x, scale_format)
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(fp8, "hadamard_transform", hadamard_butterfly)
+            ref = fp8.serving_index_quant(x, scale_format)
         assert_same_bits(got, ref, scale_format)
 
 
