@@ -14,7 +14,8 @@ are counted by call site (the innermost frames in this project and megatron). Wi
 least one kernel; Triton kernels are not aten ops and are not in it) by the class of the module
 whose own code ran them, forward and backward. ``--without NAME..`` builds without launch-saving
 choices (``multi_tensor``: megatron's per-tensor grad-norm / clip; ``wgrad_fusion``: weight
-gradients added by DDP's hook; ``fused_router``: megatron's routing) to measure them side by side.
+gradients added by DDP's hook; ``fused_router``: megatron's routing; ``serving_quant_kernel``: the
+serving index quantization as torch ops) to measure them side by side.
 ``--out`` writes the figures as JSON.
 """
 
@@ -59,10 +60,16 @@ def _switch_off_fused_router() -> None:
     kpool_layers.moe_router.uncovered = lambda router: "profile_step --without fused_router"
 
 
+def _switch_off_serving_quant_kernel() -> None:
+    import kpool_layers.kernels.serving_quant_triton as kernel
+    kernel.supports = lambda x: False  # fp8.serving_index_quant's torch ops
+
+
 WITHOUT: dict[str, Callable[[], None]] = {
     "multi_tensor": _switch_off_multi_tensor,
     "wgrad_fusion": _switch_off_wgrad_fusion,
     "fused_router": _switch_off_fused_router,
+    "serving_quant_kernel": _switch_off_serving_quant_kernel,
 }
 """Launch-saving build choices ``--without`` switches off, to measure each side by side with the
 same command (the step as it was before them)."""
