@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from kpool_layers import fp8
+from kpool_layers.kernels import hadamard_triton
 from kpool_layers.hadamard import hadamard_butterfly
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -214,7 +215,7 @@ def test_fused_path_is_one_kernel_instead_of_the_reference_ops(interpreted: dict
         def __getitem__(self, grid: tuple[int]):  # noqa: ANN204
             return lambda *args, **kwargs: launches.append(grid)
 
-    monkeypatch.setattr(sq, "_INTERPRETED", True)  # supports() takes the CPU tensor
+    monkeypatch.setattr(hadamard_triton, "_INTERPRETED", True)  # supports() takes the CPU tensor
     monkeypatch.setattr(sq, "_serving_quant_kernel", Kernel())
     assert count_ops(sq.serving_index_quant_triton, x, "ue8m0") == []
     assert launches == [(2,)]  # ROWS = 32 rows per program
@@ -254,7 +255,7 @@ def test_supports_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     if not sq._INTERPRETED:
         with pytest.raises(ValueError, match="CUDA tensor"):
             sq.serving_index_quant_triton(torch.randn(4, 16))
-    monkeypatch.setattr(sq, "_INTERPRETED", True)  # CPU tensors: only dtype and d count
+    monkeypatch.setattr(hadamard_triton, "_INTERPRETED", True)  # CPU tensors: only dtype and d count
     assert all(sq.supports(torch.zeros(3, d, dtype=t)) for t in DTYPES for d in DS)
     for x in (torch.zeros(4, 16, dtype=torch.float64), torch.zeros(4, 12), torch.zeros(4, 256),
               torch.zeros(()), torch.zeros(4, 16, dtype=torch.int32)):

@@ -130,24 +130,35 @@ def _fp32(scale: float) -> float:
         return math.copysign(math.inf, scale)
 
 
-def supports(x: torch.Tensor) -> bool:
-    """Whether :func:`hadamard_triton` takes ``x`` (device, dtype, last dimension)."""
+def fits(x: torch.Tensor, low: int, high: int) -> bool:
+    """Whether a row kernel of this module's kind takes ``x [..., n]``: a CUDA tensor (CPU under
+    ``TRITON_INTERPRET=1``) of a dtype in :data:`DTYPES` with ``n`` a power of two in ``[low, high]``."""
     n = x.shape[-1] if x.dim() else 0
     on_device = x.is_cuda or (_INTERPRETED and x.device.type == "cpu")
-    return on_device and x.dtype in DTYPES and 2 <= n <= MAX_N and n & (n - 1) == 0
+    return on_device and x.dtype in DTYPES and low <= n <= high and n & (n - 1) == 0
+
+
+def as_rows(x: torch.Tensor, kernel: str, low: int, high: int) -> torch.Tensor:
+    """``x [..., n]`` as contiguous rows ``[M, n]`` for ``kernel`` (copied only if not contiguous);
+    a ValueError naming what ``kernel`` needs where ``x`` does not :func:`fits`."""
+    if not fits(x, low, high):
+        raise ValueError(
+            f"{kernel} needs a CUDA tensor (CPU only under TRITON_INTERPRET=1) of dtype in "
+            f"{[str(d) for d in DTYPES]} with a power-of-two last dim in [{low}, {high}]; got "
+            f"{x.device.type} {x.dtype} {list(x.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether :func:`hadamard_triton` takes ``x`` (device, dtype, last dimension)."""
+    return fits(x, 2, MAX_N)
 
 
 def _launch(x: torch.Tensor, scale: float, reverse: bool) -> torch.Tensor:
     """The kernel over ``x [..., n]`` (forward stages, or with ``reverse`` the backward's)."""
-    if not supports(x):
-        raise ValueError(
-            f"hadamard_triton needs a CUDA tensor (CPU only under TRITON_INTERPRET=1) of dtype in "
-            f"{[str(d) for d in DTYPES]} with a power-of-two last dim in [2, {MAX_N}]; got "
-            f"{x.device.type} {x.dtype} {list(x.shape)}")
-    n = x.shape[-1]
-    x2 = x.reshape(-1, n)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = as_rows(x, "hadamard_triton", 2, MAX_N)
+    n = x2.shape[1]
     out = torch.empty_like(x2)
     m = x2.shape[0]
     if m:

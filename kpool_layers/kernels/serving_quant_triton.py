@@ -61,8 +61,9 @@ from kpool_layers.kernels.hadamard_triton import (
     _INTERPRETED,
     _KIND,
     BLOCK_ELEMENTS,
-    DTYPES,
     _fp32,
+    as_rows,
+    fits,
     _narrow,
     _round,
     _stage,
@@ -113,9 +114,7 @@ def _serving_quant_kernel(
 
 def supports(x: torch.Tensor) -> bool:
     """Whether :func:`serving_index_quant_triton` takes ``x`` (device, dtype, last dimension)."""
-    d = x.shape[-1] if x.dim() else 0
-    on_device = x.is_cuda or (_INTERPRETED and x.device.type == "cpu")
-    return on_device and x.dtype in DTYPES and 1 <= d <= MAX_D and d & (d - 1) == 0
+    return fits(x, 1, MAX_D)
 
 
 def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8.ScaleFormat = "ue8m0") -> torch.Tensor:
@@ -123,15 +122,8 @@ def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8.ScaleFormat = 
     values, dtype and shape (module docstring)."""
     if scale_format not in fp8.SCALE_FORMATS:
         raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8.SCALE_FORMATS)}")
-    if not supports(x):
-        raise ValueError(
-            f"serving_index_quant_triton needs a CUDA tensor (CPU only under TRITON_INTERPRET=1) of dtype "
-            f"in {[str(d) for d in DTYPES]} with a power-of-two last dim in [1, {MAX_D}]; got "
-            f"{x.device.type} {x.dtype} {list(x.shape)}")
-    d = x.shape[-1]
-    x2 = x.reshape(-1, d)
-    if not x2.is_contiguous():
-        x2 = x2.contiguous()
+    x2 = as_rows(x, "serving_index_quant_triton", 1, MAX_D)
+    d = x2.shape[1]
     ue8m0 = scale_format == "ue8m0"
     out = torch.empty(x2.shape, dtype=torch.bfloat16 if ue8m0 else torch.float32, device=x.device)
     m = x2.shape[0]
