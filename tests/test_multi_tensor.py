@@ -127,3 +127,30 @@ def test_install_is_idempotent_and_leaves_te_or_apex_kernels_alone(installed: No
     monkeypatch.setattr(clip_grads, "multi_tensor_scale_impl", te_kernel)
     assert not multi_tensor.install()
     assert clip_grads.l2_norm_impl is te_kernel and clip_grads.multi_tensor_scale_impl is te_kernel
+
+
+@pytest.mark.gpu
+def test_cuda_norm_and_clip_stay_on_the_device() -> None:
+    """On CUDA: the l2 norm of 229 gradients (the glm5_proxy's count) as one device tensor within
+    the FP32 bound of the float64 norm (``n`` terms per tensor and 229 tensors summed in FP32:
+    ``gamma_(n_max + 229 + 2)`` of the squared norm), and the clip scale in place, with no host
+    synchronisation (CUDA's sync debug mode raises on one)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grads = [torch.randn(int(n), device="cuda", generator=gen) for n in torch.randint(1, 70_000, (229,))]
+    noop = torch.zeros(1, dtype=torch.int, device="cuda")
+    exact = torch.cat([g.double() for g in grads]).norm().item()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        norm, _ = multi_tensor.l2_norm(0, noop, [grads], False)
+        factor = torch.clamp(0.5 / (norm + 1e-6), max=1.0)
+        scaled = [g.clone() for g in grads]
+        multi_tensor.scale_by_tensor(0, noop, [scaled, scaled], factor)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    u = 2.0**-24
+    terms = max(g.numel() for g in grads) + len(grads) + 2
+    assert norm.shape == (1,) and norm.is_cuda
+    assert abs(norm.item() - exact) <= terms * u / (1 - terms * u) * exact
+    for g, s in zip(grads, scaled):
+        assert torch.equal(s, g * factor.reshape(()))

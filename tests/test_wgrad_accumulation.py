@@ -94,3 +94,21 @@ def test_megatron_linears_accumulate_into_main_grad(single_rank_parallel_state) 
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
     assert fused[0].abs().sum() > 0
     assert plain_ops - fused_ops == 2 * 2  # two weights, two micro-batches
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_accumulation_is_one_gemm_into_main_grad(dtype: torch.dtype) -> None:
+    """On CUDA: ``main_grad += g^T x`` with the product accumulated in FP32 (one ``addmm`` for
+    16-bit operands), within the FP32 dot-product bound ``gamma_(K+1) * (|main_grad| + |g|^T |x|)``
+    (K = 4096 tokens; the operands are exact in FP32)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(4096, 384, device="cuda", generator=gen).to(dtype)
+    g = torch.randn(4096, 256, device="cuda", generator=gen).to(dtype)
+    main_grad = torch.randn(256, 384, device="cuda", generator=gen)
+    exact = main_grad.double() + g.double().t() @ x.double()
+    magnitude = main_grad.double().abs() + g.double().abs().t() @ x.double().abs()
+    wgrad_accumulation.wgrad_gemm_accum_fp32(x, g, main_grad)
+    u = 2.0**-24
+    gamma = (x.shape[0] + 1) * u / (1 - (x.shape[0] + 1) * u)
+    assert ((main_grad.double() - exact).abs() <= gamma * magnitude).all()
