@@ -2,7 +2,9 @@
 
 Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
 (``kpool_layers.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
-and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest.
+and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest, as
+:class:`kpool_layers.token_dispatch.GLMMoELayer` (megatron's allgather dispatch without host syncs
+where all experts are local).
 The modules are megatron's local backend (ColumnParallelLinear/RowParallelLinear, runs anywhere,
 no Transformer Engine) with the sequence-parallel capable ``SPNorm`` norms. With
 ``config.moe_grouped_gemm`` the routed experts are
@@ -28,7 +30,7 @@ from functools import partial
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec_for_backend
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -44,6 +46,7 @@ from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
 from kpool_layers.moe_router import FusedTopKRouter
 from kpool_layers.norm import SPNorm
 from kpool_layers.precision import Role
+from kpool_layers.token_dispatch import GLMMoELayer
 
 
 class SPLocalSpecProvider(LocalSpecProvider):
@@ -65,7 +68,8 @@ def _mlp_submodules(fc1: Role, fc2: Role) -> MLPSubmodules:
 
 
 def glm_mlp_spec(config: GLMTransformerConfig, moe: bool):  # noqa: ANN201 (megatron MlpBuilder)
-    """megatron's dense ``MLP``, or its ``MoELayer`` (router, routed experts, shared expert), on the
+    """megatron's dense ``MLP``, or its ``MoELayer`` (router, routed experts, shared expert; as
+    :class:`~kpool_layers.token_dispatch.GLMMoELayer`), on the
     local backend with role-tagged linears; what ``get_mlp_module_spec_for_backend`` builds for the
     local backend, roles added."""
     if not moe:
@@ -73,7 +77,7 @@ def glm_mlp_spec(config: GLMTransformerConfig, moe: bool):  # noqa: ANN201 (mega
     experts = (GroupedExperts if config.moe_grouped_gemm else
                partial(SequentialMLP, submodules=_mlp_submodules(Role.MOE_EXPERT_FC1, Role.MOE_EXPERT_FC2)))
     shared = partial(SharedExpertMLP, submodules=_mlp_submodules(Role.MOE_SHARED_FC1, Role.MOE_SHARED_FC2))
-    return partial(MoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
+    return partial(GLMMoELayer, submodules=MoESubmodules(experts=experts, shared_experts=shared,
                                                       router=FusedTopKRouter))
 
 

@@ -37,7 +37,7 @@ for part in $parts; do
                precision=$p train.global_batch_size=2 --steps 2 --out "$out/proxy_$p.json"
            done ;;
     proxy_ab) for p in bf16 serving_match; do  # the launch-saving choices on and off, side by side
-                for w in "" "--without multi_tensor wgrad_fusion fused_router serving_quant_kernel"; do
+                for w in "" "--without multi_tensor wgrad_fusion fused_router serving_quant_kernel local_dispatch"; do
                   run "proxy_ab_${p}${w:+_without}" 150 "$py" scripts/bench/profile_step.py \
                     experiment=glm5_proxy_h200 precision=$p train.global_batch_size=2 --steps 3 \
                     --ops-by-module $w --out "$out/proxy_ab_${p}${w:+_without}.json"

@@ -15,7 +15,8 @@ least one kernel; Triton kernels are not aten ops and are not in it) by the clas
 whose own code ran them, forward and backward. ``--without NAME..`` builds without launch-saving
 choices (``multi_tensor``: megatron's per-tensor grad-norm / clip; ``wgrad_fusion``: weight
 gradients added by DDP's hook; ``fused_router``: megatron's routing; ``serving_quant_kernel``: the
-serving index quantization as torch ops) to measure them side by side.
+serving index quantization as torch ops; ``local_dispatch``: megatron's allgather dispatch with its
+host syncs) to measure them side by side.
 ``--out`` writes the figures as JSON.
 """
 
@@ -65,11 +66,17 @@ def _switch_off_serving_quant_kernel() -> None:
     kernel.supports = lambda x: False  # fp8.serving_index_quant's torch ops
 
 
+def _switch_off_local_dispatch() -> None:
+    import kpool_layers.token_dispatch
+    kpool_layers.token_dispatch.local_dispatch = lambda config, dispatcher: "profile_step --without"
+
+
 WITHOUT: dict[str, Callable[[], None]] = {
     "multi_tensor": _switch_off_multi_tensor,
     "wgrad_fusion": _switch_off_wgrad_fusion,
     "fused_router": _switch_off_fused_router,
     "serving_quant_kernel": _switch_off_serving_quant_kernel,
+    "local_dispatch": _switch_off_local_dispatch,
 }
 """Launch-saving build choices ``--without`` switches off, to measure each side by side with the
 same command (the step as it was before them)."""
