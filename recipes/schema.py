@@ -443,6 +443,9 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
         if tp > 1 and p.sequence_parallel is False:
             _fail(ConfigError("parallelism.sequence_parallel", False,
                               "true or null: megatron's MoE with TP > 1 requires sequence parallelism"))
+        _require(m.moe_token_dispatcher_type != Dispatcher.alltoall or t.dry_run or _has_cuda(),
+                 "model.moe_token_dispatcher_type", "alltoall",
+                 "allgather on a machine without CUDA (megatron's alltoall dispatcher creates CUDA streams)")
     else:
         _require(ep == 1, "parallelism.expert_model_parallel_size", ep, "1 when model.num_moe_experts is null")
     _require(world_size % (ep * (p.expert_tensor_parallel_size or tp) * pp) == 0,
@@ -474,6 +477,12 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
@@ -259,3 +260,13 @@ def test_uneven_stages_build_their_own_layer_counts() -> None:
     tcfg = to_transformer_config(to_config(cfg))
     attention = glm_attention_spec(tcfg)
     assert [len(glm_decoder_block_spec(tcfg, attention, pp_rank=r).layer_specs) for r in (0, 1)] == [1, 3]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the rule is for machines without CUDA")
+def test_alltoall_dispatcher_refused_without_cuda() -> None:
+    """megatron's alltoall dispatcher creates CUDA streams at the build: refused up front on a
+    machine without CUDA (a dry run, planning for GPUs, still takes it)."""
+    cfg = _compose(["model=glm5_tiny", "model.moe_token_dispatcher_type=alltoall"])
+    with pytest.raises(ConfigError, match="model.moe_token_dispatcher_type.*allgather"):
+        validate(cfg, 1)
+    validate(_compose(["model=glm5_tiny", "model.moe_token_dispatcher_type=alltoall", "train.dry_run=true"]), 1)
