@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterator, Optional
 
+import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
@@ -443,7 +444,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
         if tp > 1 and p.sequence_parallel is False:
             _fail(ConfigError("parallelism.sequence_parallel", False,
                               "true or null: megatron's MoE with TP > 1 requires sequence parallelism"))
-        _require(m.moe_token_dispatcher_type != Dispatcher.alltoall or t.dry_run or _has_cuda(),
+        _require(m.moe_token_dispatcher_type != Dispatcher.alltoall or t.dry_run or torch.cuda.is_available(),
                  "model.moe_token_dispatcher_type", "alltoall",
                  "allgather on a machine without CUDA (megatron's alltoall dispatcher creates CUDA streams)")
     else:
@@ -477,12 +478,6 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:

@@ -265,9 +265,11 @@ def test_supports_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_serving_index_quant_routes_only_cuda_inputs_without_grad(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU tensors (and tensors that need a gradient) run the torch reference."""
+    """CPU tensors (and tensors that need a gradient) run the torch reference, even where the
+    kernel could take them (the interpreter flag on: ``supports`` accepts CPU tensors)."""
     from kpool_layers.kernels import serving_quant_triton as sq
 
+    monkeypatch.setattr(hadamard_triton, "_INTERPRETED", True)
     monkeypatch.setattr(sq, "serving_index_quant_triton", lambda *a: pytest.fail("kernel called"))
     x = torch.randn(5, 128)
     assert fp8.serving_index_quant(x).dtype == torch.bfloat16
