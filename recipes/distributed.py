@@ -126,8 +126,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_model_parallel(parallelism: ParallelismConfig, seed: int) -> None:
-    """megatron's parallel_state groups and the model-parallel RNG streams."""
+def init_model_parallel(parallelism: ParallelismConfig, seed: int, graph_safe_rng: bool = False) -> None:
+    """megatron's parallel_state groups and the model-parallel RNG streams (``graph_safe_rng``:
+    CUDA generators a captured step can register, for ``train.cuda_graph_impl``)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -140,7 +141,7 @@ def init_model_parallel(parallelism: ParallelismConfig, seed: int) -> None:
         expert_tensor_parallel_size=parallelism.expert_tensor_parallel_size,
     )
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=graph_safe_rng)
 
 
 def shutdown() -> None:

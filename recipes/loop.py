@@ -24,7 +24,6 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.core.transformer.module import Float16Module
 from omegaconf import DictConfig
@@ -36,6 +35,7 @@ from recipes import data as data_lib
 from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.console import duration
+from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import check_all, dry_run, flop_model
@@ -50,7 +50,7 @@ from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
 from recipes.run_result import RunResult
-from recipes.schema import Config, validate
+from recipes.schema import Config, CudaGraphImpl, validate
 from recipes.typed_config import plain, to_config
 
 
@@ -115,7 +115,8 @@ def _checked(composed: DictConfig, run_dir: Path, world_size: int) -> tuple[Conf
 
 
 def _build(cfg: Config) -> Trainer:
-    distributed.init_model_parallel(cfg.parallelism, cfg.train.seed)
+    distributed.init_model_parallel(cfg.parallelism, cfg.train.seed,
+                                    graph_safe_rng=cfg.train.cuda_graph_impl is not CudaGraphImpl.none)
     tcfg = to_transformer_config(cfg, ddp=True)
     model: torch.nn.Module = build_gpt_model(cfg, tcfg)
     if not torch.cuda.is_available():
@@ -217,6 +218,12 @@ def _reduce_loss(reports: list[dict], device: torch.device) -> float:
 
 def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
            tokenizer: MegatronTokenizerBase, wandb_group: Optional[str]) -> float:
+    with capture_stream(cfg.train):  # a graphed run builds and steps on the capture stream
+        return _train_steps(cfg, run_dir, ckpt_root, overrides, tokenizer, wandb_group)
+
+
+def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
+                 tokenizer: MegatronTokenizerBase, wandb_group: Optional[str]) -> float:
     t = cfg.train
     reset_peak_memory(distributed.device())  # a sweep's earlier jobs ran in this process
     plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
@@ -242,7 +249,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
-    fwd_bwd = get_forward_backward_func()
+    fwd_bwd = ForwardBackward(t)
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
     loss = math.nan
@@ -256,7 +263,8 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
             measure_drift = drift.due(progress.step + 1)
             if measure_drift:
                 drift.arm()
-            reports = fwd_bwd(
+            reports = fwd_bwd(  # the drift hooks run Python in the forward: no graph replay
+                eager=measure_drift,
                 forward_step_func=partial(forward_step, device, eod_id), data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
@@ -303,6 +311,7 @@ def _train(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[str],
                                         trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
             _print0(f"saved checkpoint {path}")
     finally:
+        fwd_bwd.close()
         guard.close()
         logger.close()
     _record(run_dir, RunResult(status, None, overrides, loss, progress.step))

@@ -68,6 +68,8 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
     policy = PrecisionPolicy.from_config(cfg.precision)
     experts = m.num_moe_experts
+    if experts is None:  # a dense model: megatron refuses MoE sizes without experts
+        copied.update(moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None)
     moe_layer_freq = model_facts.moe_layer_freq(m.num_layers, experts, m.moe_first_k_dense_layers)
     on_gpu = torch.cuda.is_available()
     return GLMTransformerConfig(
@@ -104,6 +106,10 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         pipeline_dtype=policy.params_dtype,
         dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
         deterministic_mode=cfg.train.deterministic,
+        # Whole-step CUDA graphs (recipes/cuda_graph.py); per-layer capture is not used.
+        cuda_graph_impl=cfg.train.cuda_graph_impl.value,
+        cuda_graph_modules=[],
+        cuda_graph_warmup_steps=cfg.train.cuda_graph_warmup_steps,
         # megatron's schedules hand the main loss's backward scale to the indexer loss through it.
         experimental_attention_variant_loss_scale_func=(
             IndexerLossAutoScaler.set_loss_scale if copied["dsa_indexer_loss_coeff"] else None),

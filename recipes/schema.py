@@ -250,6 +250,13 @@ class LrDecay(str, Enum):
     constant = "constant"
 
 
+class CudaGraphImpl(str, Enum):
+    """megatron's ``cuda_graph_impl`` values this recipe runs (``recipes/cuda_graph.py``)."""
+
+    none = "none"
+    full_iteration = "full_iteration"
+
+
 @dataclass
 class TrainConfig:
     """Optimizer, schedule, batch sizes, steps and checkpointing."""
@@ -279,6 +286,9 @@ class TrainConfig:
     # Checkpoint safety (issue #14; recipes/resume.py, recipes/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
     nonfinite_skip: int = num(0, 0)  # steps with NaN/inf loss or grads skipped before the run stops
+    # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/cuda_graph.py).
+    cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
+    cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture
 
 
 class WandbMode(str, Enum):
@@ -478,6 +488,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
+    _validate_cuda_graph(cfg)
 
 
 def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:
@@ -514,6 +525,37 @@ def _validate_kernels(cfg: DictConfig) -> None:
     except dsa_kernels.KernelUnavailable as err:
         shown = requested if requested == backend else f"{requested} (= {backend} here)"
         _fail(ConfigError("model.dsa_kernels", shown, f"{list(dsa_kernels.BACKENDS)}; {err}"))
+
+
+def _validate_cuda_graph(cfg: DictConfig) -> None:
+    """``train.cuda_graph_impl=full_iteration``: a CUDA machine (unless a dry run), and a step
+    without host synchronisations or per-forward host bookkeeping, which a replay would skip."""
+    m, p, t, d, pr = cfg.model, cfg.parallelism, cfg.train, cfg.data, cfg.precision
+    if t.cuda_graph_impl is not CudaGraphImpl.full_iteration:
+        return
+    with_graphs = "with train.cuda_graph_impl=full_iteration"
+    _require(t.dry_run or torch.cuda.is_available(), "train.cuda_graph_impl", t.cuda_graph_impl.value,
+             "none on a machine without CUDA")
+    _require(p.pipeline_model_parallel_size == 1, "parallelism.pipeline_model_parallel_size",
+             p.pipeline_model_parallel_size, f"1 {with_graphs}")
+    _require(p.context_parallel_size == 1, "parallelism.context_parallel_size", p.context_parallel_size,
+             f"1 {with_graphs}")
+    _require(not d.reset_attention_mask, "data.reset_attention_mask", True,
+             f"false {with_graphs} (packed documents' boundaries are found on the host each batch)")
+    _require(not m.dsa_indexer_loss_coeff, "model.dsa_indexer_loss_coeff", m.dsa_indexer_loss_coeff,
+             f"0 {with_graphs} (its logging records each forward on the host)")
+    if m.num_moe_experts is None:
+        return
+    host_counts = "megatron's dispatcher reads the tokens per expert on the host"
+    _require(m.moe_token_dispatcher_type == Dispatcher.allgather, "model.moe_token_dispatcher_type",
+             m.moe_token_dispatcher_type.value, f"allgather {with_graphs} ({host_counts} otherwise)")
+    for key in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+        _require(p[key] == 1, f"parallelism.{key}", p[key], f"1 for MoE models {with_graphs} ({host_counts})")
+    _require(m.moe_grouped_gemm is not False, "model.moe_grouped_gemm", False,
+             f"true or null {with_graphs} (per-expert linears split the tokens on the host)")
+    _require(not (pr.fp8 and pr.recipe not in FP8_RECIPES), "precision.recipe", pr.recipe.value,
+             f"one of {[r.value for r in FP8_RECIPES]} for MoE models {with_graphs} (the others run "
+             f"per-expert linears, which split the tokens on the host)")
 
 
 def _validate_precision(cfg: DictConfig) -> None:

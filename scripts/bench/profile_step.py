@@ -6,8 +6,11 @@
 Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one warm-up step, then
 ``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s and MFU from
 :class:`recipes.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
-memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernel launches per step and
-per micro-batch, the top operators by self device time, self CPU time on CPU). With
+memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernels run per step and per
+micro-batch, ``launches_*``; the host's calls that queue work, ``host_launches_*``: kernel, graph,
+copy and memset launches, which differ once a CUDA graph replays the step; the top operators by
+self device time, self CPU time on CPU). With ``train.cuda_graph_impl=full_iteration`` the warm-up
+runs ``train.cuda_graph_warmup_steps`` eager steps and the capture. With
 ``--sync-sites`` one more step runs under CUDA's sync debug mode and the host synchronizations
 are counted by call site (the innermost frames in this project and megatron). With
 ``--ops-by-module`` one more step runs under :class:`tests.op_counts.OwnOps`: the aten ops (each at
@@ -43,9 +46,15 @@ import recipes.multi_tensor
 from recipes import data as data_lib
 from recipes import distributed, loop
 from recipes.distributed import register_resolvers
+from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.dry_run import flop_model
-from recipes.schema import register_configs
+from recipes.schema import Config, CudaGraphImpl, register_configs
 from recipes.typed_config import to_config
+
+
+LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch", "cudaMemcpyAsync", "cudaMemsetAsync"}
+"""Host API calls that each put work on a CUDA stream (a graph launch replays many kernels)."""
 
 
 def _switch_off_multi_tensor() -> None:
@@ -142,13 +151,19 @@ def main() -> None:
         cfg = to_config(compose("config", overrides=overrides + ["logging.mode=disabled"]))
     os.environ.setdefault("KPOOL_RUN_ID", "profile")
     distributed.init_process_group(distributed.launcher_topology())
+    with capture_stream(cfg.train):  # a graphed run builds and steps on the capture stream
+        profile(cfg, args, overrides)
+    distributed.shutdown()
+
+
+def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None:
+    """Build ``cfg``'s trainer, run the warm-up, timed and profiled steps, print and write the
+    figures (module docstring)."""
     trainer = loop._build(cfg)
     tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
     batches = loop._batches(cfg, 0, tokenizer)
     eod_id = loop.packed_eod_id(cfg, tokenizer)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    fwd_bwd = get_forward_backward_func()
+    fwd_bwd = ForwardBackward(cfg.train)
     device = distributed.device()
 
     def step() -> float:
@@ -165,7 +180,9 @@ def main() -> None:
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    print(f"warm-up step {step():.2f} s")
+    graphed = cfg.train.cuda_graph_impl is not CudaGraphImpl.none
+    for _ in range(1 + (cfg.train.cuda_graph_warmup_steps if graphed else 0)):  # + the capture
+        print(f"warm-up step {step():.2f} s")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     plain = [step() for _ in range(args.steps)]
@@ -178,12 +195,15 @@ def main() -> None:
     with torch.profiler.profile(activities=activities) as prof:
         times = [step() for _ in range(args.steps)]
     launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA) / args.steps
+    host_launches = sum(1 for e in prof.events() if e.name in LAUNCH_CALLS) / args.steps
     figures = {
         "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops, "peak_tflops": args.peak_tflops,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "launches_per_step": launches,
         "launches_per_microbatch": launches / trainer.num_microbatches,
+        "host_launches_per_step": host_launches,
+        "host_launches_per_microbatch": host_launches / trainer.num_microbatches,
         "profiled_steps_s": times, "overrides": overrides, "without": args.without,
     }
     if args.sync_sites and device.type == "cuda":
@@ -204,7 +224,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(figures, indent=1))
-    distributed.shutdown()
+    fwd_bwd.close()
 
 
 if __name__ == "__main__":
