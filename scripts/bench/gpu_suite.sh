@@ -3,7 +3,8 @@
 #   bash scripts/bench/gpu_suite.sh OUT_DIR [parts...]
 #   parts: tests attention kpool moe proxy train (default all), smla (Triton sparse-MLA check,
 #   timing, block-size sweep; on request); attention = both shapes, every
-#   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and serving_match;
+#   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and
+#   serving_match, eager and with CUDA graphs;
 #   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
@@ -32,9 +33,12 @@ for part in $parts; do
                  --backends torch tilelang triton --repeats 3 --out "$out/kpool_h200.json" ;;
     kpool) run bench_kpool 300 "$py" scripts/bench/kpool.py --kernels torch triton --seq 16384 --out "$out/kpool.json" ;;
     moe) run bench_moe 240 "$py" scripts/bench/moe_experts.py --out "$out/moe.json" ;;
-    proxy) for p in bf16 fp8 serving_match; do
-             run "proxy_$p" 150 "$py" scripts/bench/profile_step.py experiment=glm5_proxy_h200 \
-               precision=$p train.global_batch_size=2 --steps 2 --out "$out/proxy_$p.json"
+    proxy) for p in bf16 fp8 serving_match; do  # eager, then replayed as one CUDA graph
+             for g in none full_iteration; do
+               run "proxy_${p}_$g" 150 "$py" scripts/bench/profile_step.py experiment=glm5_proxy_h200 \
+                 precision=$p train.global_batch_size=2 train.cuda_graph_impl=$g --steps 5 \
+                 --out "$out/proxy_${p}_$g.json"
+             done
            done ;;
     proxy_ab) for p in bf16 serving_match; do  # the launch-saving choices on and off, side by side
                 for w in "" "--without multi_tensor wgrad_fusion fused_router serving_quant_kernel local_dispatch"; do
