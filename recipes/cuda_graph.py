@@ -58,20 +58,24 @@ class ForwardBackward:
     def __init__(self, train: TrainConfig) -> None:
         self._eager = get_forward_backward_func()
         self._graphed = None
+        self.just_captured = False  # whether the last call captured the graph (and replayed it)
         if train.cuda_graph_impl is CudaGraphImpl.full_iteration:
             self._graphed = FullCudaGraphWrapper(
                 self._eager, cuda_graph_warmup_steps=train.cuda_graph_warmup_steps)
 
     def __call__(self, *, eager: bool = False, **kwargs: Any) -> Any:
+        self.just_captured = False
         if self._graphed is None or eager:
             return self._eager(**kwargs)
         capturing = self._graphed.curr_iter("training") == self._graphed.cuda_graph_warmup_steps
         try:
-            return self._graphed(**kwargs)
+            result = self._graphed(**kwargs)
         except RuntimeError as err:
             if not capturing:
                 raise
             raise CaptureError(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
+        self.just_captured = capturing
+        return result
 
     def close(self) -> None:
         if self._graphed is None:

@@ -270,6 +270,9 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False,
             )
+            if fwd_bwd.just_captured:
+                _print0(f"step {progress.step + 1}: forward-backward captured as one CUDA graph; "
+                        f"later steps replay it")
             drift_metrics = drift.measure() if measure_drift else None  # same weights as the forward
             loss = _reduce_loss(reports, device)
             grad_norm: Optional[float | torch.Tensor] = math.nan  # logged as such when the update is skipped

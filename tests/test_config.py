@@ -63,6 +63,15 @@ def test_indexer_loss_scale_callback_is_installed_on_the_config() -> None:
     assert on.experimental_attention_variant_loss_scale_func == IndexerLossAutoScaler.set_loss_scale
 
 
+def test_dense_model_drops_the_moe_sizes() -> None:
+    """megatron refuses MoE sizes without experts: a dense model (``model.num_moe_experts=null``)
+    gets none, a MoE model keeps them."""
+    dense = to_transformer_config(to_config(_compose(["model=glm5_tiny", "model.num_moe_experts=null"])))
+    assert dense.num_moe_experts is None and dense.moe_ffn_hidden_size is None
+    assert dense.moe_shared_expert_intermediate_size is None
+    assert to_transformer_config(to_config(_compose(["model=glm5_tiny"]))).moe_ffn_hidden_size == 64
+
+
 def test_model_fields_map_one_to_one() -> None:
     tcfg = to_transformer_config(to_config(_compose(["model=glm5_2", "precision=bf16"])))
     assert (tcfg.hidden_size, tcfg.kv_lora_rank, tcfg.qk_head_dim, tcfg.v_head_dim) == (6144, 512, 192, 256)
