@@ -70,10 +70,11 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert: torch.Te
 
 
 def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """Weight gradient of :func:`grouped_linear`: ``g [T, N]``, ``x [T, K]`` -> ``[E, N, K]``
-    with ``[e] = g_e.T @ x_e`` (zero for an expert without rows); ``kernel`` as there."""
-    if kernel:  # the 2-D x 2-D grouped_mm, operands laid out as its own autograd passes them
-        return _GROUPED_MM(x.t(), g, offs=_offsets(tokens_per_expert, x.device)).transpose(1, 2)
+    """Weight gradient of :func:`grouped_linear`: ``g [T, N]``, ``x [T, K]`` -> contiguous
+    ``[E, N, K]`` (the weight's layout, which autograd keeps as the gradient without a copy) with
+    ``[e] = g_e.T @ x_e`` (zero for an expert without rows); ``kernel`` as there."""
+    if kernel:  # the 2-D x 2-D grouped_mm over the token groups: g.T [N, T] column-major, x [T, K]
+        return _GROUPED_MM(g.t(), x, offs=_offsets(tokens_per_expert, x.device))
     counts = tokens_per_expert.tolist()
     return torch.stack([g_e.t() @ x_e for g_e, x_e in zip(torch.split(g, counts), torch.split(x, counts))])
 

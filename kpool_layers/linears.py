@@ -59,9 +59,11 @@ from kpool_layers.precision import LinearNumerics, Role
 
 
 def _tag(module: torch.nn.Module, role: Role | str, config: Any) -> None:
-    """Give ``module`` its ``role`` and the numerics ``config.precision`` gives it."""
+    """Give ``module`` its ``role`` and the numerics ``config.precision`` gives it (weight
+    gradients into DDP's ``main_grad`` where ``config.gradient_accumulation_fusion``)."""
     module.role = Role(role)
-    module.numerics = LinearNumerics(config.precision, module.role)
+    module.numerics = LinearNumerics(config.precision, module.role,
+                                     accumulate_wgrad=bool(getattr(config, "gradient_accumulation_fusion", False)))
 
 
 def _check_own_gemm(module: torch.nn.Module, config: Any) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from kpool_layers import fp8
 from kpool_layers.fp8 import Recipe, ScaleFormat
+from kpool_layers.wgrad_accumulation import accumulate_into_main_grad
 
 if TYPE_CHECKING:
     from kpool_layers.indexer import IndexerNumerics
@@ -326,10 +327,12 @@ def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
 class _QuantizedMatmul(torch.autograd.Function):
     """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
     computed in ``x``'s dtype from the operands kept as e4m3 + scales, dequantized straight into
-    that dtype (:func:`dequantizer`)."""
+    that dtype (:func:`dequantizer`). With ``accumulate_wgrad`` ``dw`` goes straight into
+    ``w.main_grad`` (:func:`kpool_layers.wgrad_accumulation.accumulate_into_main_grad`: FP32
+    accumulation, the product not rounded to ``x``'s dtype)."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe, backend, scale_format):  # noqa: ANN001, ANN205
+    def forward(ctx, x, w, recipe, backend, scale_format, accumulate_wgrad):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
         quantize = quantizer(backend, x)
         xq, xs = quantize(x2, recipe, "activation", scale_format)
@@ -340,6 +343,7 @@ class _QuantizedMatmul(torch.autograd.Function):
             y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
         ctx.save_for_backward(xq, xs, wq, ws)
         ctx.recipe, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, backend, x.shape, x.dtype, w.dtype
+        ctx.weight = w if accumulate_wgrad else None
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
@@ -351,21 +355,28 @@ class _QuantizedMatmul(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = (g @ dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype)).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = (g.t() @ dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+            x_deq = dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
+            if ctx.weight is not None:
+                grad_w = accumulate_into_main_grad(ctx.weight, x_deq, g)
+            else:
+                grad_w = (g.t() @ x_deq).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None
 
 
 def quantized_matmul(
-    x: torch.Tensor, w: torch.Tensor, recipe: str, backend: str, scale_format: str = "ue8m0"
+    x: torch.Tensor, w: torch.Tensor, recipe: str, backend: str, scale_format: str = "ue8m0",
+    accumulate_wgrad: bool = False,
 ) -> torch.Tensor:
     """``x [..., K] @ w[N, K].T -> [..., N]`` (x's dtype) with both operands e4m3-quantized under
     ``recipe``; ``backend`` is ``torch`` (CUDA FP8 GEMM) or ``emulate`` (FP32 GEMM of the
-    dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`)."""
+    dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`);
+    ``accumulate_wgrad``: ``w`` is a parameter with megatron DDP's ``main_grad``, which receives
+    the weight gradient directly."""
     _member(Recipe, "recipe", recipe)
     _member(ScaleFormat, "scale_format", scale_format)
     if backend not in (Backend.torch, Backend.emulate):
         raise ValueError(f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}")
-    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format)
+    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format, accumulate_wgrad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,12 +391,16 @@ class LinearNumerics:
     :meth:`dtype`. Decided against the weight's dtype when the linear runs (a model cast after the
     build computes as its weights are). With ``note`` the linear's forward does not compute the
     role: the module that owns it uses the weight itself, in ``owner_dtype`` (None: the weight's),
-    e.g. the absorbed MLA ``kv_up`` and the KPool indexer's head weights."""
+    e.g. the absorbed MLA ``kv_up`` and the KPool indexer's head weights. ``accumulate_wgrad``
+    (megatron's ``gradient_accumulation_fusion``, on under the trainer's DDP): an FP8 GEMM of a
+    weight that has a ``main_grad`` adds its weight gradient straight into it, as megatron's
+    linears do for the unreplaced roles (:mod:`kpool_layers.wgrad_accumulation`)."""
 
     policy: PrecisionPolicy
     role: Role
     note: Optional[str] = None
     owner_dtype: Optional[torch.dtype] = None
+    accumulate_wgrad: bool = False
     _replaces: dict[torch.dtype, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """:meth:`replaces_gemm` per weight dtype (asked at every forward)."""
 
@@ -421,7 +436,8 @@ class LinearNumerics:
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         dtype = self.dtype(w.dtype)
-        x, w = x.to(dtype), w.to(dtype)
         if self.quantized:
-            return quantized_matmul(x, w, self.policy.recipe, self.backend, self.policy.scale_format)
-        return x @ w.t()
+            accumulate = self.accumulate_wgrad and dtype == w.dtype and hasattr(w, "main_grad")
+            return quantized_matmul(x.to(dtype), w.to(dtype), self.policy.recipe, self.backend,
+                                    self.policy.scale_format, accumulate)
+        return x.to(dtype) @ w.to(dtype).t()

@@ -21,7 +21,9 @@ installed (process-wide, idempotent), so the flag works with or without apex:
 * :func:`wgrad_gemm_accum_fp16` - ``main_grad`` in bf16/fp16: ``addmm`` in that dtype.
 
 ``to_transformer_config(cfg, ddp=True)`` (the trainer) turns the flag on; models used without
-megatron's DDP (no ``main_grad``) keep it off.
+megatron's DDP (no ``main_grad``) keep it off. The role linears that compute their own GEMM (FP8,
+:class:`kpool_layers.precision.LinearNumerics`) follow the same flag through
+:func:`accumulate_into_main_grad`, megatron's protocol with DDP's hook.
 
 Layouts: ``total_input [tokens, in_features]``, ``grad_output [tokens, out_features]`` (2-D, as
 megatron's ``prepare_input_tensors_for_wgrad_compute`` makes them), ``main_grad
@@ -61,3 +63,16 @@ def install() -> None:
     if not megatron_layers._grad_accum_fusion_available:
         megatron_layers.fused_weight_gradient_mlp_cuda = FUSED_WGRAD
         megatron_layers._grad_accum_fusion_available = True
+
+
+def accumulate_into_main_grad(weight: torch.Tensor, total_input: torch.Tensor,
+                              grad_output: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad += grad_output^T @ total_input`` as megatron's fused linears do it (an
+    fp32 ``main_grad`` through :func:`wgrad_gemm_accum_fp32`, a 16-bit one in its dtype), marked
+    ``grad_added_to_main_grad`` so that DDP's hook does not add again. Returns the placeholder
+    gradient those linears hand autograd (uninitialised, ``weight``'s shape and dtype; DDP's hook
+    drops it, and its arrival is what marks the weight's gradient ready)."""
+    fused = wgrad_gemm_accum_fp32 if weight.main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16
+    fused(total_input, grad_output, weight.main_grad)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)

@@ -289,6 +289,8 @@ class TrainConfig:
     # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/cuda_graph.py).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
     cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture
+    # megatron's native fused cross entropy (torch.compile'd) where it applies: CUDA, bf16 logits.
+    cross_entropy_fusion: bool = True
 
 
 class WandbMode(str, Enum):

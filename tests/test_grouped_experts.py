@@ -175,6 +175,25 @@ def test_grouped_linear_kernel_and_loop_match_per_expert_gemms():
     check_grouped_linear("cpu", torch.float32, [False, True] if CPU_GROUPED_MM else [False], 0.0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_grouped_wgrad_comes_in_the_weights_layout(device):
+    """The FP8 experts' weight gradient: the grouped kernel gives ``[E, N, K]`` contiguous, the
+    weight's own layout (a transposed result made autograd copy every expert weight's gradient,
+    14 ms per glm5_proxy step on an H200), equal to the per-expert GEMMs."""
+    if device == "cpu" and not CPU_GROUPED_MM:
+        pytest.skip("this torch has no CPU grouped_mm")
+    counts = torch.tensor(TOKENS_PER_EXPERT)
+    g = torch.randn(int(counts.sum()), 2 * FFN, device=device)
+    x = torch.randn(int(counts.sum()), HIDDEN, device=device)
+    grouped = grouped_gemm.grouped_wgrad(g, x, counts, kernel=True)
+    loop = grouped_gemm.grouped_wgrad(g, x, counts, kernel=False)
+    assert grouped.shape == (len(counts), 2 * FFN, HIDDEN) and grouped.is_contiguous()
+    bounds = torch.cumsum(torch.tensor([0, *TOKENS_PER_EXPERT]), 0).tolist()
+    tol = torch.stack([gemm_tol(g[a:b].t(), x[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+    assert ((grouped - loop).abs() <= 2 * tol).all()
+    assert not grouped[1].any() and not grouped[3].any()
+
+
 @pytest.mark.gpu
 def test_grouped_linear_cuda_bf16_kernel_and_loop(monkeypatch):
     """The CUDA grouped GEMM and the cuBLAS loop in BF16 (FP32 accumulation: cuBLAS's reduced

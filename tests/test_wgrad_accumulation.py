@@ -13,7 +13,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kpool_layers import wgrad_accumulation
+from kpool_layers import fp8, wgrad_accumulation
+from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
+from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
 from tests.op_counts import OwnOps
 
 
@@ -53,34 +55,42 @@ def test_install_keeps_apex_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 class _Pair(torch.nn.Module):
-    """megatron's column- then row-parallel linear (an MLP without activation)."""
+    """megatron's column- then row-parallel linear (an MLP without activation); with ``roles``
+    the role-tagged linears of ``kpool_layers.linears`` (``config.precision`` decides their GEMM)."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, roles: bool = False) -> None:
         super().__init__()
         init = torch.nn.init.normal_
-        self.fc1 = ColumnParallelLinear(8, 12, config=config, init_method=init, bias=False)
-        self.fc2 = RowParallelLinear(12, 8, config=config, init_method=init, bias=False,
-                                     input_is_parallel=True, skip_bias_add=True)
+        column, row = (RoleColumnParallelLinear, RoleRowParallelLinear) if roles else (ColumnParallelLinear,
+                                                                                     RowParallelLinear)
+        tags = ({"role": Role.MLP_FC1}, {"role": Role.MLP_FC2}) if roles else ({}, {})
+        self.fc1 = column(128, 256, config=config, init_method=init, bias=False, **tags[0])
+        self.fc2 = row(256, 128, config=config, init_method=init, bias=False,
+                       input_is_parallel=True, skip_bias_add=True, **tags[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.silu(self.fc1(x)[0]))[0]
 
 
-def _main_grads(fusion: bool, micro_batches: int = 2) -> tuple[list[torch.Tensor], int]:
+def _main_grads(fusion: bool, micro_batches: int = 2,
+                policy: PrecisionPolicy | None = None) -> tuple[list[torch.Tensor], int]:
     """``main_grad`` of both weights after ``micro_batches`` backward passes under megatron's DDP,
-    and the aten ops run outside the modules in backward (DDP's hooks)."""
+    and the aten ops run outside the modules in backward (DDP's hooks). With ``policy`` the pair
+    is built from role linears computing under it."""
     if fusion:
         wgrad_accumulation.install()
-    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+    config = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=1,
                                use_cpu_initialization=True, gradient_accumulation_fusion=fusion)
+    if policy is not None:
+        config.precision = policy
     torch.manual_seed(0)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  _Pair(config))
+                                  _Pair(config, roles=policy is not None))
     ddp.zero_grad_buffer()
     gen = torch.Generator().manual_seed(2)
     with OwnOps(ddp) as ops:
         for _ in range(micro_batches):
-            ddp(torch.randn(5, 3, 8, generator=gen)).square().sum().backward()
+            ddp(torch.randn(5, 3, 128, generator=gen)).square().sum().backward()
     pair = ddp.module
     return [pair.fc1.weight.main_grad.clone(), pair.fc2.weight.main_grad.clone()], ops.counts[("<outside>", "bwd")]
 
@@ -94,6 +104,31 @@ def test_megatron_linears_accumulate_into_main_grad(single_rank_parallel_state) 
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))
     assert fused[0].abs().sum() > 0
     assert plain_ops - fused_ops == 2 * 2  # two weights, two micro-batches
+
+
+def test_fp8_role_linears_accumulate_into_main_grad(single_rank_parallel_state) -> None:
+    """The FP8 role linears (their own GEMM) follow the flag: ``main_grad`` bit-identical to DDP's
+    add of their weight gradients (FP32 model, emulated FP8: the same dequantized products), one
+    add fewer per weight and micro-batch."""
+    policy = PrecisionPolicy(fp8=True, recipe="blockwise", backend="emulate", dtype="fp32")
+    fused, fused_ops = _main_grads(True, policy=policy)
+    plain, plain_ops = _main_grads(False, policy=policy)
+    assert all(torch.equal(a, b) for a, b in zip(fused, plain))
+    assert fused[0].abs().sum() > 0
+    assert plain_ops - fused_ops == 2 * 2  # two weights, two micro-batches
+    assert LinearNumerics(policy, Role.MLP_FC1).accumulate_wgrad is False  # off unless the config says
+
+
+def test_fp8_linear_without_main_grad_returns_its_weight_gradient() -> None:
+    """Outside DDP (no ``main_grad``) the flag changes nothing: the gradient lands in ``weight.grad``."""
+    policy = PrecisionPolicy(fp8=True, recipe="blockwise", backend="emulate", dtype="fp32")
+    numerics = LinearNumerics(policy, Role.MLP_FC1, accumulate_wgrad=True)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(256, 128, generator=gen).requires_grad_()
+    x, g = torch.randn(6, 128, generator=gen), torch.randn(6, 256, generator=gen)
+    numerics(x, w).backward(g)
+    want = g.t() @ fp8.emulate(x, "blockwise", "activation")
+    assert torch.equal(w.grad, want)
 
 
 @pytest.mark.gpu

@@ -29,11 +29,15 @@ Scheduling (no host synchronisation): the grid is ``(ceil(N / BLOCK_N), ceil(T /
 an upper bound on the number of row tiles when every expert's rows are tiled separately; each
 program finds its expert from the cumulative tile counts of ``tokens_per_expert`` (computed in the
 kernel) so that a row tile never mixes experts, and programs past the last tile return. Fixed
-configuration (no autotuning, reproducible): 128x128x128 tiles, 8 warps, 4 pipeline stages
-(Hopper: 32 KiB of shared memory per stage).
+configuration (no autotuning, reproducible), :data:`TILES`: the output tile and pipeline depth
+chosen on an H200 by ``scripts/bench/fp8_grouped_sweep.py`` (docs/benchmarks.md). The K step is
+always the 128-wide scale block, and each output element sums its K blocks in the same order
+whatever the tiles, so every configuration gives the same bits.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -42,8 +46,22 @@ import triton.language as tl
 from kpool_layers import fp8
 from kpool_layers.device_copy import to_device
 
-BLOCK_M, BLOCK_N, BLOCK_K = 128, 128, fp8.BLOCK
-NUM_WARPS, NUM_STAGES = 8, 4
+BLOCK_K = fp8.BLOCK
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Output tile ``block_m x block_n``, warps and software-pipeline stages of the kernel
+    (shared memory per stage: ``(block_m + block_n) * 128`` bytes)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 4
+
+
+TILES = Tiles(block_m=64, block_n=128, num_warps=4, num_stages=3)
+"""The kernel's configuration (module docstring)."""
 
 
 @triton.jit
@@ -97,10 +115,11 @@ def _grouped_gemm_kernel(
 
 def grouped_gemm(
     x_q: torch.Tensor, x_s: torch.Tensor, w_q: torch.Tensor, w_s: torch.Tensor,
-    tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16,
+    tokens_per_expert: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16, tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """``[T, N]`` in ``out_dtype``, rows of expert ``e`` = ``dequant(x_q_e) @ dequant(w_q[e]).T``
-    (layouts and numerics: module docstring; the recipe is read from the scales' shapes).
+    (layouts and numerics: module docstring; the recipe is read from the scales' shapes; ``tiles``:
+    the kernel configuration, the same bits for any; None: :data:`TILES`).
 
     ``out_dtype=torch.float32`` stores the FP32 accumulator unrounded (the CPU tests: Triton's
     interpreter converts FP32 to BF16 by truncation, the GPU rounds to nearest even)."""
@@ -123,13 +142,15 @@ def grouped_gemm(
         return out
     x_q, w_q = x_q.contiguous(), w_q.contiguous()
     counts = to_device(tokens_per_expert, x_q.device)
-    grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(t, BLOCK_M) + e)
+    tiles = tiles or TILES
+    grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(t, tiles.block_m) + e)
     _grouped_gemm_kernel[grid](
         x_q, x_s, w_q, w_s, counts, out, n, k, e,
         x_q.stride(0), x_s.stride(0), x_s.stride(1) if x_s.shape[1] > 1 else 0,
         w_q.stride(0), w_q.stride(1), w_s.stride(0), w_s.stride(1), w_s.stride(2) if w_s.shape[2] > 1 else 0,
         out.stride(0),
         W_SCALE_ROWS=w_rows, E_POW2=triton.next_power_of_2(e),
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out

@@ -19,7 +19,12 @@ whose own code ran them, forward and backward. ``--without NAME..`` builds witho
 choices (``multi_tensor``: megatron's per-tensor grad-norm / clip; ``wgrad_fusion``: weight
 gradients added by DDP's hook; ``fused_router``: megatron's routing; ``serving_quant_kernel``: the
 serving index quantization as torch ops; ``local_dispatch``: megatron's allgather dispatch with its
-host syncs) to measure them side by side.
+host syncs) to measure them side by side. ``--by-shape`` records the operators' input shapes in
+the profiled steps and adds the top operators by (name, input shapes), which tells the GEMMs of one
+linear from another's. ``device_ms_per_step`` sums the GPU time of every kernel, copy and memset.
+``peak_gib`` is the peak allocated by tensors over the timed steps, which leaves out a CUDA
+graph's private memory pool; ``peak_reserved_gib`` is the most the caching allocator held over
+the timed steps (it keeps what the warm-up reserved), graph pools included.
 ``--out`` writes the figures as JSON.
 """
 
@@ -137,6 +142,8 @@ def main() -> None:
                         help="count host synchronizations of one more step by call site (CUDA)")
     parser.add_argument("--ops-by-module", action="store_true",
                         help="count the aten ops of one more step by module class")
+    parser.add_argument("--by-shape", action="store_true",
+                        help="record input shapes and list the top operators by (name, shapes)")
     parser.add_argument("--peak-tflops", type=float, default=756.0,
                         help="the GPU's dense bf16 rate for MFU (H200 measured: 756)")
     parser.add_argument("--without", nargs="+", default=[], choices=sorted(WITHOUT),
@@ -192,18 +199,21 @@ def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=args.by_shape) as prof:
         times = [step() for _ in range(args.steps)]
-    launches = sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA) / args.steps
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    launches = len(device_events) / args.steps
     host_launches = sum(1 for e in prof.events() if e.name in LAUNCH_CALLS) / args.steps
     figures = {
         "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops, "peak_tflops": args.peak_tflops,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
         "launches_per_step": launches,
         "launches_per_microbatch": launches / trainer.num_microbatches,
         "host_launches_per_step": host_launches,
         "host_launches_per_microbatch": host_launches / trainer.num_microbatches,
+        "device_ms_per_step": sum(e.device_time_total for e in device_events) / 1e3 / args.steps,
         "profiled_steps_s": times, "overrides": overrides, "without": args.without,
     }
     if args.sync_sites and device.type == "cuda":
@@ -220,6 +230,14 @@ def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None
         {"name": e.key, "self_device_ms": e.self_device_time_total / 1e3 / args.steps,
          "count_per_step": e.count / args.steps}
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)[:args.rows]]
+    if args.by_shape:
+        own = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        figures["top_ops_by_shape"] = [
+            {"name": e.key, "input_shapes": str(e.input_shapes),
+             "self_device_ms": e.self_device_time_total / 1e3 / args.steps, "count_per_step": e.count / args.steps}
+            for e in sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.input_shapes),
+                            key=lambda e: -getattr(e, own))[:args.rows]]
+        print(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=args.rows))
     print(" ".join(f"{k}={v:.4g}" for k, v in figures.items() if isinstance(v, float)))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

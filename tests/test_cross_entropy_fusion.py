@@ -1,0 +1,66 @@
+"""``train.cross_entropy_fusion``: megatron's native fused cross entropy (its torch.compile'd
+``fused_vocab_parallel_cross_entropy``) where it computes what the unfused loss does: on a GPU,
+for bf16 logits (it returns bf16 logit gradients, wrong for an fp32 model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kpool_layers.precision import PrecisionPolicy
+from recipes.megatron_config import fused_cross_entropy, to_transformer_config
+from recipes.typed_config import to_config
+from tests.test_config import _compose
+from tests.train_runner import metrics, run_train
+
+
+@pytest.mark.parametrize(("gpu", "overrides", "fused"), [
+    (True, ["precision=bf16"], True),
+    (True, ["precision=fp8"], True),
+    (True, ["precision=serving_match"], True),
+    (True, ["precision=fp32"], False),
+    (True, ["precision=bf16", "train.cross_entropy_fusion=false"], False),
+    (False, ["precision=bf16"], False),
+])
+def test_fused_loss_only_for_bf16_logits_on_a_gpu(gpu, overrides, fused) -> None:
+    cfg = to_config(_compose(["model=glm5_tiny", *overrides]))
+    policy = PrecisionPolicy.from_config(cfg.precision)
+    assert fused_cross_entropy(cfg.train.cross_entropy_fusion, policy, gpu) is fused
+
+
+def test_megatron_gets_the_choice() -> None:
+    """What this machine decides reaches megatron's config, with the native implementation."""
+    cfg = to_config(_compose(["model=glm5_tiny", "precision=bf16"]))
+    tcfg = to_transformer_config(cfg)
+    assert tcfg.cross_entropy_loss_fusion is torch.cuda.is_available()
+    assert tcfg.cross_entropy_fusion_impl == "native"
+
+
+TINY_GPU = ["model=glm5_tiny", "precision=bf16", "model.dsa_kernels=triton", "data.seq_length=256",
+            "train.steps=2", "train.lr_warmup_steps=1", "train.micro_batch_size=1", "train.global_batch_size=2",
+            "train.save_final=false", "logging.mode=disabled"]
+
+
+@pytest.mark.gpu
+def test_fused_loss_trains_as_the_unfused_one(tmp_path: Path) -> None:
+    """The first step (same weights, same batch) with the fused and the unfused loss, the fused
+    one also inside a CUDA graph (compiled in the eager step, then captured):
+
+    * loss: both compute the per-token loss in FP32 from the same bf16 logits and differ only in
+      the order of the sums over the vocabulary (V = 512 terms): relative difference within
+      ``2 * V * 2**-24`` (about 6e-5);
+    * grad norm: the logit gradients ``softmax - onehot`` differ by that much before both round
+      them to bf16, so each differs by at most one bf16 step (2**-8 relative); the backward is
+      linear in them, so the gradient norm within 2**-7 relative."""
+    runs = {}
+    for name, extra in (("unfused", ["train.cross_entropy_fusion=false"]),
+                        ("fused", []),
+                        ("fused_graphed", ["train.cuda_graph_impl=full_iteration", "train.cuda_graph_warmup_steps=1"])):
+        run_train(tmp_path, name, TINY_GPU + extra, timeout=900)
+        runs[name] = [r for r in metrics(tmp_path / name) if "loss" in r][0]
+    ref = runs["unfused"]
+    for name in ("fused", "fused_graphed"):
+        assert abs(runs[name]["loss"] - ref["loss"]) <= 2 * 512 * 2.0**-24 * abs(ref["loss"]), (name, runs)
+        assert abs(runs[name]["grad_norm"] - ref["grad_norm"]) <= 2.0**-7 * ref["grad_norm"], (name, runs)
