@@ -17,7 +17,6 @@ unquantized operands. Needs CUDA. Prints a table, writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -78,19 +77,9 @@ def sweep(rows: int, experts: int, k: int, n: int, skewed: bool, configs: list[f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", help="write the figures as JSON here")
-    args, overrides = parser.parse_known_args()
-    from hydra import compose, initialize_config_dir
+    from timing import out_and_config
 
-    from recipes.distributed import register_resolvers
-    from recipes.schema import register_configs
-    from recipes.typed_config import to_config
-
-    register_resolvers()
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=overrides))
+    out_path, overrides, cfg = out_and_config(__doc__)
     m = cfg.model
     rows = cfg.train.micro_batch_size * cfg.data.seq_length * m.moe_router_topk
     shapes = {"fc1": (m.hidden_size, 2 * m.moe_ffn_hidden_size), "fc2": (m.moe_ffn_hidden_size, m.hidden_size)}
@@ -111,9 +100,9 @@ def main() -> None:
                 label = f"  {t['block_m']:>3d}x{t['block_n']:<3d} w{t['num_warps']} s{t['num_stages']}"
                 print(label + (f" {c['ms']:.4f} ms ({flops / c['ms'] / 1e9:.0f} TFLOP/s) bits_equal={c['bits_equal']}"
                                if "ms" in c else f" {c['error']}"))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"overrides": overrides, "shapes": results}, indent=1))
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps({"overrides": overrides, "shapes": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ Needs CUDA. Prints a table and writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -134,19 +133,9 @@ def case(m: int, k: int, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", help="write the figures as JSON here")
-    args, overrides = parser.parse_known_args()
-    from hydra import compose, initialize_config_dir
+    from timing import out_and_config
 
-    from recipes.distributed import register_resolvers
-    from recipes.schema import register_configs
-    from recipes.typed_config import to_config
-
-    register_resolvers()
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=overrides))
+    out_path, overrides, cfg = out_and_config(__doc__)
     m = cfg.train.micro_batch_size * cfg.data.seq_length
     results = {name: case(m, k, n) for name, (k, n) in linear_shapes(cfg.model).items()}
     cols = ["bf16", "fp8", "quant_x", "quant_w", "scaled_mm", "dequant_x", "dequant_w", "mm_dx", "mm_dw",
@@ -158,9 +147,9 @@ def main() -> None:
               + ("" if r.get("wgrad_fp8", True) is True else f"  wgrad: {r['wgrad_fp8']}"))
     total = {c: sum(r[c] or 0.0 for r in results.values()) for c in cols}
     print("sum of one layer's linears: " + " ".join(f"{c}={v:.3f}" for c, v in total.items()))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"overrides": overrides, "linears": results, "sums": total}, indent=1))
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps({"overrides": overrides, "linears": results, "sums": total}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,15 +1,21 @@
 """Shared by the benchmark scripts in this folder (imported as a sibling module when they run as
-``python scripts/bench/<name>.py``): one-process parallel state and a timing/peak-memory probe."""
+``python scripts/bench/<name>.py``): one-process parallel state, a timing/peak-memory probe and
+the composed config of the command line's Hydra overrides."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+"""The project's Hydra config directory."""
 
 OOM = {"ms": None, "peak_mib": None, "oom": True}
 
@@ -49,3 +55,26 @@ def measure(step: Callable[[], Any], repeats: int, cuda: bool) -> dict[str, Any]
     finally:
         if cuda:
             torch.cuda.empty_cache()
+
+
+def compose_config(overrides: list[str]) -> Any:
+    """The typed config (``recipes.schema.Config``) ``train.py`` composes from ``overrides``."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes.distributed import register_resolvers
+    from recipes.schema import register_configs
+    from recipes.typed_config import to_config
+
+    register_resolvers()
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return to_config(compose("config", overrides=overrides))
+
+
+def out_and_config(doc: str) -> tuple[str | None, list[str], Any]:
+    """A benchmark's command line: ``--out`` (where to write its JSON), the Hydra overrides and
+    the config they compose."""
+    parser = argparse.ArgumentParser(description=doc)
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args, overrides = parser.parse_known_args()
+    return args.out, overrides, compose_config(overrides)
