@@ -5,7 +5,9 @@
 #   timing, block-size sweep; on request); attention = both shapes, every
 #   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and
 #   serving_match, eager and with CUDA graphs;
-#   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices
+#   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices;
+#   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, and the FP8
+#   grouped GEMM's tile sweep
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -47,6 +49,12 @@ for part in $parts; do
                     --ops-by-module $w --out "$out/proxy_ab_${p}${w:+_without}.json"
                 done
               done ;;
+    fp8) run bench_fp8_linear_proxy 120 "$py" scripts/bench/fp8_linear.py experiment=glm5_proxy_h200 \
+           --out "$out/fp8_linear_proxy.json"
+         run bench_fp8_linear_glm5 120 "$py" scripts/bench/fp8_linear.py model=glm5 data.seq_length=4096 \
+           train.micro_batch_size=1 --out "$out/fp8_linear_glm5.json"
+         run bench_fp8_grouped_sweep 240 "$py" scripts/bench/fp8_grouped_sweep.py experiment=glm5_proxy_h200 \
+           --out "$out/fp8_grouped_sweep.json" ;;
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;
