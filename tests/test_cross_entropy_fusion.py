@@ -30,12 +30,19 @@ def test_fused_loss_only_for_bf16_logits_on_a_gpu(gpu, overrides, fused) -> None
     assert fused_cross_entropy(cfg.train.cross_entropy_fusion, policy, gpu) is fused
 
 
-def test_megatron_gets_the_choice() -> None:
-    """What this machine decides reaches megatron's config, with the native implementation."""
-    cfg = to_config(_compose(["model=glm5_tiny", "precision=bf16"]))
+def test_megatron_gets_the_choice(monkeypatch) -> None:
+    """The decision, made from the key, the profile and this machine, reaches megatron's config with
+    the native implementation."""
+    import recipes.megatron_config as megatron_config
+
+    seen = []
+    monkeypatch.setattr(megatron_config, "fused_cross_entropy", lambda *args: seen.append(args) or True)
+    cfg = to_config(_compose(["model=glm5_tiny", "precision=bf16", "train.cross_entropy_fusion=false"]))
     tcfg = to_transformer_config(cfg)
-    assert tcfg.cross_entropy_loss_fusion is torch.cuda.is_available()
-    assert tcfg.cross_entropy_fusion_impl == "native"
+    assert tcfg.cross_entropy_loss_fusion is True and tcfg.cross_entropy_fusion_impl == "native"
+    (fusion, policy, on_gpu), = seen
+    assert fusion is False and policy == PrecisionPolicy.from_config(cfg.precision)
+    assert on_gpu is torch.cuda.is_available()
 
 
 TINY_GPU = ["model=glm5_tiny", "precision=bf16", "model.dsa_kernels=triton", "data.seq_length=256",

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 from kpool_layers.grouped_gemm import grouped_linear  # noqa: E402
 from kpool_layers.kernels import fp8_grouped_gemm_triton as fgg  # noqa: E402
 from kpool_layers.kernels import fp8_quant_triton  # noqa: E402
+from timing import out_and_config, routings  # noqa: E402 - sibling module (run as a script)
 
 CONFIGS = [fgg.Tiles(bm, bn, warps, stages)
            for bm, bn in ((128, 128), (128, 256), (64, 128), (64, 256), (256, 128))
@@ -39,22 +40,12 @@ CONFIGS = [fgg.Tiles(bm, bn, warps, stages)
 """Candidate tiles: shared memory within Hopper's 227 KiB; 4 warps only for tiles up to 128x128."""
 
 
-def counts_for(experts: int, rows: int, skewed: bool) -> torch.Tensor:
-    """Tokens per expert (int64, host) summing to ``rows``."""
-    if not skewed:
-        return torch.full((experts,), rows // experts, dtype=torch.long)
-    weights = 0.8 ** torch.arange(experts - 1, dtype=torch.float64)
-    counts = torch.floor(weights / weights.sum() * rows).long()
-    counts[0] += rows - int(counts.sum())
-    return torch.cat([counts, torch.zeros(1, dtype=torch.long)])
-
-
 def sweep(rows: int, experts: int, k: int, n: int, skewed: bool, configs: list[fgg.Tiles]) -> dict[str, Any]:
     """``configs`` at one shape (module docstring)."""
     import triton.testing
 
     dev = torch.device("cuda")
-    counts = counts_for(experts, rows, skewed)
+    counts = routings(experts, rows)["skewed" if skewed else "balanced"]
     x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(experts, n, k, device=dev, dtype=torch.bfloat16) / k**0.5
     xq, xs = fp8_quant_triton.quantize(x, "blockwise", "activation")
@@ -77,8 +68,6 @@ def sweep(rows: int, experts: int, k: int, n: int, skewed: bool, configs: list[f
 
 
 def main() -> None:
-    from timing import out_and_config
-
     out_path, overrides, cfg = out_and_config(__doc__)
     m = cfg.model
     rows = cfg.train.micro_batch_size * cfg.data.seq_length * m.moe_router_topk

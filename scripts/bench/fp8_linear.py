@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from kpool_layers import fp8  # noqa: E402
 from kpool_layers.precision import _scaled_mm, dequantizer, quantized_matmul, quantizer  # noqa: E402
+from timing import out_and_config  # noqa: E402 - sibling module (run as a script)
 
 
 def do_bench(fn: Callable[[], Any]) -> float:
@@ -133,8 +134,6 @@ def case(m: int, k: int, n: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    from timing import out_and_config
-
     out_path, overrides, cfg = out_and_config(__doc__)
     m = cfg.train.micro_batch_size * cfg.data.seq_length
     results = {name: case(m, k, n) for name, (k, n) in linear_shapes(cfg.model).items()}

@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 from kpool_layers import fp8  # noqa: E402
 from kpool_layers.grouped_experts import GroupedExperts  # noqa: E402
 from kpool_layers.precision import PrecisionPolicy, Role  # noqa: E402
+from timing import routings  # noqa: E402 - sibling module (run as a script)
 
 EXPERTS, HIDDEN, FFN, TOKENS, TOPK = 16, 2048, 1024, 32768, 4
 QUANT_SHAPE = (8192, 2048)
@@ -52,15 +53,6 @@ def do_bench(fn: Callable[[], Any], grad_to_none: list[torch.Tensor] | None = No
     import triton.testing
 
     return float(triton.testing.do_bench(fn, grad_to_none=grad_to_none, return_mode="median"))
-
-
-def routings() -> dict[str, torch.Tensor]:
-    """Tokens per expert (int64, host) summing to ``TOKENS``."""
-    balanced = torch.full((EXPERTS,), TOKENS // EXPERTS, dtype=torch.long)
-    weights = 0.8 ** torch.arange(EXPERTS - 1, dtype=torch.float64)
-    skewed = torch.floor(weights / weights.sum() * TOKENS).long()
-    skewed[0] += TOKENS - int(skewed.sum())
-    return {"balanced": balanced, "skewed": torch.cat([skewed, torch.zeros(1, dtype=torch.long)])}
 
 
 def build_experts(policy: PrecisionPolicy | None = None) -> tuple[torch.nn.Module, GroupedExperts]:
@@ -103,7 +95,7 @@ def bench_modules(part: str, modules: dict[str, torch.nn.Module]) -> list[dict[s
     probs = torch.rand(TOKENS, device="cuda", requires_grad=True)
     grad = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for routing, counts in routings().items():
+    for routing, counts in routings(EXPERTS, TOKENS).items():
         first = None
         for name, module in modules.items():
             def step(module: torch.nn.Module = module) -> None:

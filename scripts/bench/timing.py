@@ -1,6 +1,6 @@
 """Shared by the benchmark scripts in this folder (imported as a sibling module when they run as
-``python scripts/bench/<name>.py``): one-process parallel state, a timing/peak-memory probe and
-the composed config of the command line's Hydra overrides."""
+``python scripts/bench/<name>.py``): one-process parallel state, a timing/peak-memory probe, expert
+routings and the composed config of the command line's Hydra overrides."""
 
 from __future__ import annotations
 
@@ -55,6 +55,16 @@ def measure(step: Callable[[], Any], repeats: int, cuda: bool) -> dict[str, Any]
     finally:
         if cuda:
             torch.cuda.empty_cache()
+
+
+def routings(experts: int, rows: int) -> dict[str, torch.Tensor]:
+    """Tokens per expert (int64, host) summing to ``rows``: ``balanced`` (equal counts) and
+    ``skewed`` (geometric, ratio 0.8, the remainder to the first expert, the last expert empty)."""
+    balanced = torch.full((experts,), rows // experts, dtype=torch.long)
+    weights = 0.8 ** torch.arange(experts - 1, dtype=torch.float64)
+    skewed = torch.floor(weights / weights.sum() * rows).long()
+    skewed[0] += rows - int(skewed.sum())
+    return {"balanced": balanced, "skewed": torch.cat([skewed, torch.zeros(1, dtype=torch.long)])}
 
 
 def compose_config(overrides: list[str]) -> Any:
