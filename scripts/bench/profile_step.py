@@ -43,18 +43,16 @@ from typing import Callable
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 from torch.autograd import DeviceType
 
 import recipes.megatron_config
 import recipes.multi_tensor
 from recipes import data as data_lib
 from recipes import distributed, loop
-from recipes.distributed import register_resolvers
 from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.dry_run import flop_model
-from recipes.schema import Config, CudaGraphImpl, register_configs
-from recipes.typed_config import to_config
+from recipes.schema import Config, CudaGraphImpl
+from timing import compose_config  # sibling module (run as a script)
 
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -151,11 +149,7 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
     for name in args.without:
         WITHOUT[name]()
-    register_resolvers()
-    register_configs()
-    conf = Path(__file__).resolve().parents[2] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        cfg = to_config(compose("config", overrides=overrides + ["logging.mode=disabled"]))
+    cfg = compose_config(overrides + ["logging.mode=disabled"])
     os.environ.setdefault("KPOOL_RUN_ID", "profile")
     distributed.init_process_group(distributed.launcher_topology())
     with capture_stream(cfg.train):  # a graphed run builds and steps on the capture stream
