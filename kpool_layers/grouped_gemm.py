@@ -34,6 +34,7 @@ from kpool_layers import fp8
 from kpool_layers.device_copy import to_device
 from kpool_layers.fp8 import Recipe
 from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
+from kpool_layers.weight_cache import dequantized_weight, quantized_weight
 
 _GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 """``grouped_mm(a [T, K], b [E, K, N], offs=int32 [E]) -> [T, N]`` (public name from torch 2.10)."""
@@ -82,7 +83,9 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Ten
 class _GroupedQuantizedLinear(torch.autograd.Function):
     """:func:`grouped_linear` of e4m3-quantized operands on CUDA (module docstring); backward
     straight-through as :class:`kpool_layers.precision._QuantizedMatmul`: ``dx_e = dy_e @ Q(w_e)``,
-    ``dw_e = dy_e.T @ Q(x_e)`` in ``x``'s dtype from the saved e4m3 operands and scales."""
+    ``dw_e = dy_e.T @ Q(x_e)`` in ``x``'s dtype from the saved e4m3 operands and scales; the stacked
+    weight's forms are kept across a step's micro-batches as there
+    (:mod:`kpool_layers.weight_cache`)."""
 
     @staticmethod
     def forward(ctx, x, w, tokens_per_expert, recipe, scale_format, kernel):  # noqa: ANN001, ANN205
@@ -90,10 +93,12 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
 
         e, n, k = w.shape
         xq, xs = fp8_quant_triton.quantize(x, recipe, "activation", scale_format)
-        wq, ws = fp8_quant_triton.quantize(w.reshape(e * n, k), recipe, "weight", scale_format)
-        y = fp8_grouped_gemm_triton.grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
-                                                 tokens_per_expert)
-        ctx.save_for_backward(xq, xs, wq, ws)
+        qw = quantized_weight(w, recipe, scale_format,
+                              lambda: fp8_quant_triton.quantize(w.reshape(e * n, k), recipe, "weight", scale_format))
+        y = fp8_grouped_gemm_triton.grouped_gemm(xq, xs, qw.q.view(e, n, k),
+                                                 qw.scale.view(e, -1, qw.scale.shape[-1]), tokens_per_expert)
+        ctx.save_for_backward(xq, xs, qw.q, qw.scale)  # freed once the backward ran; the node keeps a
+        ctx.kept_weight = qw if qw.dequantized is not None else None  # weight only for its dequantized copy
         ctx.tokens_per_expert, ctx.recipe, ctx.kernel = tokens_per_expert, recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         return y.to(x.dtype)
@@ -107,7 +112,8 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
         counts, e = ctx.tokens_per_expert, len(ctx.tokens_per_expert)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = fp8_dequant_triton.dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype)
+            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype, lambda: fp8_dequant_triton.dequantize(
+                wq, ws, ctx.recipe, "weight", ctx.x_dtype))
             grad_x = grouped_linear(g, w_deq.view(e, -1, wq.shape[-1]).transpose(1, 2), counts, ctx.kernel)
         if ctx.needs_input_grad[1]:
             x_deq = fp8_dequant_triton.dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)

@@ -28,6 +28,7 @@ import torch
 
 from kpool_layers import fp8
 from kpool_layers.fp8 import Recipe, ScaleFormat
+from kpool_layers.weight_cache import dequantized_weight, quantized_weight
 from kpool_layers.wgrad_accumulation import accumulate_into_main_grad
 
 if TYPE_CHECKING:
@@ -327,21 +328,25 @@ def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
 class _QuantizedMatmul(torch.autograd.Function):
     """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
     computed in ``x``'s dtype from the operands kept as e4m3 + scales, dequantized straight into
-    that dtype (:func:`dequantizer`). With ``accumulate_wgrad`` ``dw`` goes straight into
-    ``w.main_grad`` (:func:`kpool_layers.wgrad_accumulation.accumulate_into_main_grad`: FP32
-    accumulation, the product not rounded to ``x``'s dtype)."""
+    that dtype (:func:`dequantizer`); inside :func:`kpool_layers.weight_cache.step_scope` the
+    weight's e4m3 and dequantized forms are kept for the step's later micro-batches. With
+    ``accumulate_wgrad`` ``dw`` goes straight into ``w.main_grad``
+    (:func:`kpool_layers.wgrad_accumulation.accumulate_into_main_grad`: FP32 accumulation, the
+    product not rounded to ``x``'s dtype)."""
 
     @staticmethod
     def forward(ctx, x, w, recipe, backend, scale_format, accumulate_wgrad):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
         quantize = quantizer(backend, x)
         xq, xs = quantize(x2, recipe, "activation", scale_format)
-        wq, ws = quantize(w, recipe, "weight", scale_format)
+        qw = quantized_weight(w, recipe, scale_format, lambda: quantize(w, recipe, "weight", scale_format))
+        wq, ws = qw.q, qw.scale
         if backend == "torch":
             y = _scaled_mm(xq, xs, wq, ws, recipe)
         else:
             y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
-        ctx.save_for_backward(xq, xs, wq, ws)
+        ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
+        ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
         ctx.recipe, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, backend, x.shape, x.dtype, w.dtype
         ctx.weight = w if accumulate_wgrad else None
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
@@ -353,7 +358,9 @@ class _QuantizedMatmul(torch.autograd.Function):
         dequantize = dequantizer(ctx.backend, xq)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_x = (g @ dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype)).reshape(ctx.x_shape)
+            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype,
+                                       lambda: dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype))
+            grad_x = (g @ w_deq).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             x_deq = dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
             if ctx.weight is not None:

@@ -20,14 +20,16 @@ key. The whole run (the build included) goes on megatron's capture stream
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from functools import partial
+from typing import Any, Callable
 
 import torch
 
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader, get_shared_capture_stream
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from recipes.schema import ConfigError, CudaGraphImpl, TrainConfig
+from kpool_layers import weight_cache
+from recipes.schema import ConfigError, CudaGraphImpl, FP8WeightCache, TrainConfig
 
 
 class CaptureError(ConfigError):
@@ -50,13 +52,24 @@ def capture_stream(train: TrainConfig) -> AbstractContextManager:
     return torch.cuda.stream(get_shared_capture_stream())
 
 
+def weight_cache_scope(choice: FP8WeightCache) -> Callable[[], AbstractContextManager]:
+    """The context one step runs in for ``train.fp8_weight_cache``
+    (:func:`kpool_layers.weight_cache.step_scope`, or nothing kept)."""
+    if choice is FP8WeightCache.none:
+        return nullcontext
+    return partial(weight_cache.step_scope, keep_dequantized=choice is FP8WeightCache.dequantized)
+
+
 class ForwardBackward:
     """megatron's forward-backward function as ``train`` configures it: called with megatron's
-    keyword arguments; ``eager=True`` runs this step without the graph. :meth:`close` frees the
-    graph and the static input buffers (megatron keeps them on its classes, for the process)."""
+    keyword arguments; ``eager=True`` runs this step without the graph. Each call is one step,
+    whose FP8 weights are quantized once for all its micro-batches as ``train.fp8_weight_cache``
+    says (:func:`weight_cache_scope`). :meth:`close` frees the graph and the static input buffers
+    (megatron keeps them on its classes, for the process)."""
 
     def __init__(self, train: TrainConfig) -> None:
         self._eager = get_forward_backward_func()
+        self._step_scope = weight_cache_scope(train.fp8_weight_cache)
         self._graphed = None
         self.just_captured = False  # whether the last call captured the graph (and replayed it)
         if train.cuda_graph_impl is CudaGraphImpl.full_iteration:
@@ -66,10 +79,12 @@ class ForwardBackward:
     def __call__(self, *, eager: bool = False, **kwargs: Any) -> Any:
         self.just_captured = False
         if self._graphed is None or eager:
-            return self._eager(**kwargs)
+            with self._step_scope():
+                return self._eager(**kwargs)
         capturing = self._graphed.curr_iter("training") == self._graphed.cuda_graph_warmup_steps
         try:
-            result = self._graphed(**kwargs)
+            with self._step_scope():
+                result = self._graphed(**kwargs)
         except RuntimeError as err:
             if not capturing:
                 raise

@@ -257,6 +257,15 @@ class CudaGraphImpl(str, Enum):
     full_iteration = "full_iteration"
 
 
+class FP8WeightCache(str, Enum):
+    """What a training step keeps of its FP8 weights for its later micro-batches
+    (``kpool_layers/weight_cache.py``)."""
+
+    none = "none"  # every micro-batch quantizes and dequantizes every weight
+    fp8 = "fp8"  # the e4m3 weights and scales: no more peak memory
+    dequantized = "dequantized"  # also the dequantized copy: 2 bytes per FP8 weight element more at the peak
+
+
 @dataclass
 class TrainConfig:
     """Optimizer, schedule, batch sizes, steps and checkpointing."""
@@ -291,6 +300,8 @@ class TrainConfig:
     cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture
     # megatron's native fused cross entropy (torch.compile'd) where it applies: CUDA, bf16 logits.
     cross_entropy_fusion: bool = True
+    # FP8 weights quantized once per step, not per micro-batch (the same bits; precision.fp8 only).
+    fp8_weight_cache: FP8WeightCache = FP8WeightCache.fp8
 
 
 class WandbMode(str, Enum):
