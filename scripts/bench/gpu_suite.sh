@@ -7,7 +7,8 @@
 #   serving_match, eager and with CUDA graphs;
 #   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices;
 #   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, and the FP8
-#   grouped GEMM's tile sweep
+#   grouped GEMM's tile sweep; fp8_cache (on request) = graphed glm5_proxy steps at global batch 2
+#   and 8: bf16, serving_match, and fp8 with each train.fp8_weight_cache choice
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -55,6 +56,15 @@ for part in $parts; do
            train.micro_batch_size=1 --out "$out/fp8_linear_glm5.json"
          run bench_fp8_grouped_sweep 240 "$py" scripts/bench/fp8_grouped_sweep.py experiment=glm5_proxy_h200 \
            --out "$out/fp8_grouped_sweep.json" ;;
+    fp8_cache) for b in 2 8; do  # side by side; batch 8 is the experiment's own (8 micro-batches)
+                 for p in bf16 serving_match fp8:none fp8:fp8 fp8:dequantized; do
+                   prof=${p%%:*} cache=${p#*:}; [ "$cache" = "$p" ] && cache=dequantized
+                   run "cache_b${b}_${prof}_${cache}" 150 "$py" scripts/bench/profile_step.py \
+                     experiment=glm5_proxy_h200 precision=$prof train.global_batch_size=$b \
+                     train.cuda_graph_impl=full_iteration train.fp8_weight_cache=$cache --steps 5 \
+                     --out "$out/cache_b${b}_${prof}_${cache}.json"
+                 done
+               done ;;
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;
