@@ -95,10 +95,11 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
         xq, xs = fp8_quant_triton.quantize(x, recipe, "activation", scale_format)
         qw = quantized_weight(w, recipe, scale_format,
                               lambda: fp8_quant_triton.quantize(w.reshape(e * n, k), recipe, "weight", scale_format))
-        y = fp8_grouped_gemm_triton.grouped_gemm(xq, xs, qw.q.view(e, n, k),
-                                                 qw.scale.view(e, -1, qw.scale.shape[-1]), tokens_per_expert)
-        ctx.save_for_backward(xq, xs, qw.q, qw.scale)  # freed once the backward ran; the node keeps a
-        ctx.kept_weight = qw if qw.dequantized is not None else None  # weight only for its dequantized copy
+        wq, ws = qw.q, qw.scale
+        y = fp8_grouped_gemm_triton.grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
+                                                 tokens_per_expert)
+        ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
+        ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
         ctx.tokens_per_expert, ctx.recipe, ctx.kernel = tokens_per_expert, recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         return y.to(x.dtype)

@@ -66,12 +66,8 @@ class QuantizedWeight:
 @contextmanager
 def step_scope(keep_dequantized: bool = False) -> Iterator[None]:
     """Keep quantized weights for the duration of one training step, and with
-    ``keep_dequantized`` their dequantized copies (module docstring); a nested scope is the outer
-    one."""
+    ``keep_dequantized`` their dequantized copies (module docstring)."""
     global _scope
-    if _scope is not None:
-        yield
-        return
     _scope = _Scope({}, keep_dequantized)
     try:
         yield
