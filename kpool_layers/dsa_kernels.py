@@ -168,7 +168,8 @@ def check_backend(backend: str, shapes: KernelShapes, *, deterministic: bool,
 
 RangeTopK = Callable[..., Tensor]
 """``(q [t, h, d], keys [n, d], weights [t, h], lo [t], hi [t], *, topk, relu) -> int64 [t, topk]``:
-:func:`kpool_layers.topk.chunked_range_topk`'s contract (best first, -1 = empty)."""
+:func:`kpool_layers.topk.chunked_range_topk`'s contract (ascending key indices, then -1 for the
+empty slots)."""
 
 
 def range_topk_kernel(backend: str, chunk_size: int) -> RangeTopK:

@@ -7,7 +7,7 @@ tokens ``j*kpool .. j*kpool + kpool - 1``; its key is a gated softmax mixture of
 
 A query at document-local position ``p`` sees the complete pools ``j < (p + 1) // kpool``, scores
 them like token keys, keeps the ``topk // kpool`` best (ties -> lower pool index), expands every
-pool to its ``kpool`` tokens and pads with -1 up to ``topk`` entries. With ``always_select_tail``
+pool, in ascending pool order, to its ``kpool`` tokens and pads with -1 up to ``topk`` entries. With ``always_select_tail``
 the tokens of the query's incomplete pool, ``((p + 1) // kpool) * kpool .. p``, are appended
 (-1 padded to ``kpool - 1`` slots). Packed sequences restart pooling at every document start.
 ``kpool == 1`` is plain DSA.
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from kpool_layers.topk import index_scores, score_dtype, topk_lower_index_ties
+from kpool_layers.topk import ascending_selection, index_scores, score_dtype, topk_lower_index_ties
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ def kpool_topk(
         cu_seqlens: int [n_docs + 1] packed document boundaries; None = one document.
 
     Returns:
-        int64 [t, topk (+ kpool - 1)]: token indices, best pool first, each pool's tokens in
-        ascending order, then the tail; -1 = empty.
+        int64 [t, topk (+ kpool - 1)]: the selected pools' token indices in ascending order, -1
+        padded, then the tail; -1 = empty.
     """
     with torch.no_grad():
         layout = pool_layout(q.shape[0], kpool, cu_seqlens, device=q.device)
@@ -186,7 +186,7 @@ def kpool_topk(
         scores = scores.masked_fill(~visible, float("-inf"))
         chosen = topk_lower_index_ties(scores, min(n_sel, layout.n_pools))
         count = (layout.query_hi - layout.query_lo)[:, None]
-        chosen = torch.where(torch.arange(chosen.shape[1], device=q.device) < count, chosen, -1)
+        chosen = ascending_selection(chosen, torch.arange(chosen.shape[1], device=q.device) < count)
         pools = torch.full((q.shape[0], n_sel), -1, dtype=torch.long, device=q.device)
         pools[:, : chosen.shape[1]] = chosen
         return _finish(pools, layout, always_select_tail)

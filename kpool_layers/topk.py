@@ -13,7 +13,8 @@ Layouts (one batch row; packed THD rows are just longer rows):
     keys     [n, d]      index keys (one shared key per position, MQA-like)
     weights  [t, h]      per-head weights
     lo, hi   [t] int64   visible key range of every query
-    result   [t, topk] int64, best first, key indices into ``keys``, -1 = empty slot
+    result   [t, topk] int64, the selected key indices into ``keys`` in ascending order, then
+             -1 for the empty slots
 
 Queries are processed in chunks of ``chunk_size`` and each chunk only scores the keys its queries
 can see, so memory is ``O(chunk * n * h)`` at most and no ``[t, n]`` tensor exists.
@@ -22,6 +23,10 @@ Determinism: scores are computed in FP32 (FP64 if the inputs are FP64) and ties 
 the LOWER key index by a stable descending sort, on CPU and GPU alike. ``-0.0`` is folded into
 ``+0.0`` first because GPU radix sorts order ``-0.0`` below ``+0.0`` while comparison sorts do not
 (ReLU scoring makes exact zeros common).
+
+Order: a selection is a set of keys (attention and the drift metrics do not depend on its order);
+every backend lists it in ascending key order, which a radix-select kernel writes without a sort
+(:mod:`kpool_layers.kernels.indexer_topk_triton`), so the backends return identical tensors.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ def index_scores(q: Tensor, keys: Tensor, weights: Tensor, *, relu: bool) -> Ten
         return torch.einsum("chd,ch->cd", q, weights) @ keys.T
     logits = torch.relu(torch.einsum("chd,nd->chn", q, keys))  # [c, h, n]
     return torch.bmm(weights.unsqueeze(1), logits).squeeze(1)  # [c, 1, h] @ [c, h, n] -> [c, n]
+
+
+_EMPTY = torch.iinfo(torch.int64).max
+"""Sort key of an empty slot: after every key index."""
+
+
+def ascending_selection(chosen: Tensor, valid: Tensor) -> Tensor:
+    """The selected indices ``chosen [..., k]`` (``valid [..., k]`` bool marks the slots that hold a
+    selected key) in ascending order, then -1 for the other slots."""
+    ordered = torch.where(valid, chosen, _EMPTY).sort(dim=-1).values
+    return torch.where(ordered == _EMPTY, -1, ordered)
 
 
 def topk_lower_index_ties(scores: Tensor, k: int) -> Tensor:
@@ -86,8 +102,8 @@ def chunked_range_topk(
             visible = (cols >= lo[start:end, None]) & (cols < hi[start:end, None])
             scores = index_scores(q[start:end], keys[k_lo:k_hi], weights[start:end], relu=relu)
             scores = scores.masked_fill(~visible, float("-inf"))
-            chosen = topk_lower_index_ties(scores, width) + k_lo  # [c, width]
+            chosen = topk_lower_index_ties(scores, width) + k_lo  # [c, width], best first
             count = (hi[start:end] - lo[start:end]).clamp_min(0)  # visible keys per query
             rank = torch.arange(width, device=q.device)
-            out[start:end, :width] = torch.where(rank < count[:, None], chosen, -1)
+            out[start:end, :width] = ascending_selection(chosen, rank < count[:, None])
     return out

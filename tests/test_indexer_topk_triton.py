@@ -51,15 +51,13 @@ def scores64(q, keys, w, relu: bool) -> torch.Tensor:
 
 def assert_equal_up_to_rounding(got, ref, scores, lo, hi, tol) -> None:
     """``got`` and ``ref`` [t, k] select the same keys except keys whose exact ``scores`` [t, n] lie
-    within ``tol`` [t] of the reference's k-th selected score; -1 slots agree; ``got`` is ordered
-    by exact score up to ``tol``."""
+    within ``tol`` [t] of the reference's k-th selected score; -1 slots agree; ``got`` lists its
+    keys in ascending order."""
     assert torch.equal(got < 0, ref < 0)
-    ordered = scores.gather(1, got.clamp_min(0))
-    rise = (ordered[:, 1:] - ordered[:, :-1]).masked_fill(got[:, 1:] < 0, 0)
-    assert (rise <= tol[:, None]).all(), float((rise - tol[:, None]).max())
+    assert ((got[:, 1:] < 0) | ((got[:, :-1] >= 0) & (got[:, 1:] > got[:, :-1]))).all()
     for row in torch.nonzero((got != ref).any(1)).flatten().tolist():
         g, r = set(got[row].tolist()) - {-1}, set(ref[row].tolist()) - {-1}
-        kth = scores[row, ref[row][ref[row] >= 0][-1]]
+        kth = scores[row, ref[row][ref[row] >= 0]].min()
         for j in g ^ r:
             assert lo[row] <= j < hi[row], (row, j)
             assert abs(scores[row, j] - kth) <= tol[row], (row, j, float(scores[row, j]), float(kth))
@@ -180,8 +178,7 @@ def case_empty_and_oversized() -> None:
 
 
 def case_deterministic_strided() -> None:
-    """Bit-identical twice; a strided q (one batch row of [t, b, h, d]) reads like a contiguous one;
-    the result does not depend on the row chunking of the final sort."""
+    """Bit-identical twice; a strided q (one batch row of [t, b, h, d]) reads like a contiguous one."""
     gen = torch.Generator().manual_seed(11)
     t, b, h, d = 64, 2, 4, 16
     lo, hi, n = layout_range(t, 1, [30, 34])
@@ -190,13 +187,6 @@ def case_deterministic_strided() -> None:
     first = _range_topk(q_row, keys, w[:t], lo, hi, topk=16, relu=True)
     assert torch.equal(first, _range_topk(q_row, keys, w[:t], lo, hi, topk=16, relu=True))
     assert torch.equal(first, _range_topk(q_row.contiguous(), keys, w[:t], lo, hi, topk=16, relu=True))
-    from kpool_layers.kernels import indexer_topk_triton as module
-
-    module._SORT_ROWS, rows = 24, module._SORT_ROWS  # the in-place sort in several row chunks
-    try:
-        assert torch.equal(first, _range_topk(q_row, keys, w[:t], lo, hi, topk=16, relu=True))
-    finally:
-        module._SORT_ROWS = rows
 
 
 def case_relu_zero_ties() -> None:
@@ -214,7 +204,7 @@ def case_relu_zero_ties() -> None:
     row = 63  # sees keys 40 .. 63: positive ones 45, 54, 63 (when their score is not 0), then zeros
     positive = [j for j in (45, 54, 63) if scores64(q[row:row + 1], keys[j:j + 1], w[row:row + 1], True) > 0]
     rest = [j for j in range(40, 64) if j not in positive][: topk - len(positive)]
-    assert sorted(got[row, len(positive):].tolist()) == rest == got[row, len(positive):].tolist()
+    assert got[row].tolist() == sorted(positive + rest)
 
 
 def case_identical_keys() -> None:
@@ -232,7 +222,7 @@ def case_identical_keys() -> None:
 
 
 def case_count_at_most_topk() -> None:
-    """topk >= every query's visible count (no radix pass): all visible keys, best first."""
+    """topk >= every query's visible count (no radix pass): all visible keys, in key order."""
     gen = torch.Generator().manual_seed(19)
     t, h, d = 48, 2, 16
     lo, hi, n = layout_range(t, 1, [30, 18])

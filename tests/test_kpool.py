@@ -44,7 +44,7 @@ def slow_kpool_topk(q, k, gate, ape, w, *, kpool, topk, tail, relu, lengths):
                 for j in range(seen)
             ]
             best = sorted(range(seen), key=lambda j: (-score[j], j))[: topk // kpool]
-            row = [base + j * kpool + m for j in best for m in range(kpool)]
+            row = [base + j * kpool + m for j in sorted(best) for m in range(kpool)]
             row += [-1] * (topk - len(row))
             if tail:
                 rest = list(range(base + seen * kpool, t + 1))

@@ -19,7 +19,7 @@ from kpool_layers.indexer import (DSAIndexer, IndexerNumerics, PlainProjections,
                                   ScoredSelection)
 from kpool_layers.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
 from kpool_layers.precision import PrecisionPolicy
-from kpool_layers.topk import topk_lower_index_ties
+from kpool_layers.topk import ascending_selection, topk_lower_index_ties
 from recipes.distributed import register_resolvers
 from recipes.drift_logging import DriftMonitor, reference_numerics
 from recipes.megatron_config import to_transformer_config
@@ -119,8 +119,8 @@ def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_
     expected = expected.masked_fill(~causal, float("-inf"))
     got = ScoredSelection.of(out, indexer.numerics).scores(0, relu=True, chunk_size=7)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
-    ref_idx = topk_lower_index_ties(expected, 6)
-    ref_idx = torch.where(torch.arange(6) < (torch.arange(s) + 1)[:, None], ref_idx, -1)
+    ref_idx = ascending_selection(topk_lower_index_ties(expected, 6),
+                                  torch.arange(6) < (torch.arange(s) + 1)[:, None])
     assert torch.equal(out.topk_indices[0], ref_idx)
     # Without index_quant the scores are the unquantized (rotated) ones: quantization is no no-op.
     plain_indexer = DSAIndexer(plain_cfg, layer_number=1)

@@ -26,18 +26,17 @@ Queries are processed in chunks of ``R`` rows; per chunk two kernels run:
    found so far (the "bucket") and picks the digit of the ``k``-th key. The passes stop as soon as
    the bucket holds exactly the ``rem`` keys still needed (before any pass when ``count <= topk``;
    with random GLM-shaped inputs at 4K-32K keys mostly after 3 passes of 8 bits, 2-3 of 11 bits, in
-   a CPU simulation of the select) or all 32 bits are known (exact ties). One final pass writes the
-   keys below the bucket and the bucket's first ``rem`` keys in key order (ties to the lower
-   index), packed as int64 ``(v - 2^31) << 32 | index``, into the ``[t, topk]`` result; slots
-   beyond ``k`` stay ``_EMPTY``.
-
-A row-wise sort of the packed result orders it by (score desc, index asc); empty slots decode to -1.
+   a CPU simulation of the select) or all 32 bits are known (exact ties). One final pass writes
+   the indices of the keys below the bucket and of the bucket's first ``rem`` keys (ties to the
+   lower index) into the ``[t, topk]`` result in ascending key order, a running count of the
+   taken keys giving each its slot; slots beyond ``k`` stay -1. No sort follows: an earlier
+   version wrote (score, index) pairs and sorted each row best first, a ``torch.sort`` of
+   ``[4096, 2048]`` int64 rows that cost 11 ms per glm5_proxy step on an H200 (docs/benchmarks.md).
 
 Memory: the score buffer ``int32 [R, n']`` stays within ``LaunchConfig.score_buffer_bytes``
 (default ``SCORE_BUFFER_BYTES`` = 512 MiB: ``R`` = 32768 rows at 4K keys, 4096 at 32K; ``R`` a
 multiple of ``block_t`` where the bound allows, at least one row); besides it only the
-``[t, topk]`` int64 result, which is sorted and decoded in place ``_SORT_ROWS`` rows at a time. No
-host synchronisation: the grids depend on ``t``, ``n`` and the config only.
+``[t, topk]`` int64 result. No host synchronisation: the grids depend on ``t``, ``n`` and the config only.
 
 Determinism: every score is written once by one program (its FP32 sum runs over the heads in
 order), histograms are integer counts inside one program, and there are no atomics across
@@ -55,8 +54,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-_EMPTY = torch.iinfo(torch.int64).max  # packed value of an unfilled slot; sorts last
-_SORT_ROWS = 4096  # rows per sort of the packed buffer (bounds the sort's scratch)
 SCORE_BUFFER_BYTES = 512 * 2**20  # bound of the int32 [rows, n] score buffer of one query chunk
 
 
@@ -134,8 +131,9 @@ def _select_kernel(
     row0, n, topk, stride_buf,
     BLOCK: tl.constexpr, RADIX_BITS: tl.constexpr, PASSES: tl.constexpr,
 ):
-    """Program ``r``: for query ``row0 + r``, the ``min(topk, count)`` smallest ``(v, index)`` of
-    ``buf[r, lo:hi]``, packed into ``out[row0 + r, :]`` (unordered). One row per program, every
+    """Program ``r``: for query ``row0 + r``, the indices of the ``min(topk, count)`` smallest
+    ``(v, index)`` of ``buf[r, lo:hi]``, in ascending order into ``out[row0 + r, :]``. One row per
+    program, every
     tensor 1-D: a first version that ran several rows per program as 2-D tiles selected too few
     keys on an H200 (triton 3.6; results changed with the warp count) while passing under the
     interpreter; the cause was not isolated (a probe of ``tl.histogram`` on a reshaped tile
@@ -175,28 +173,21 @@ def _select_kernel(
             prefix = prefix | (digit.to(tl.uint32) << shift)
             known = known | tl.full([], digit_mask << shift, tl.uint32)
 
-    # the keys below the bucket (k - rem of them), then the bucket's first rem in key order
+    # every key below the bucket (k - rem of them) and the bucket's first rem, in key order
     out_row = out_ptr + row * topk
-    n_better = k - rem
-    run_better = tl.zeros([], dtype=tl.int32)
+    run_taken = tl.zeros([], dtype=tl.int32)
     run_tied = tl.zeros([], dtype=tl.int32)
     for start in range(first, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         vis = (cols >= lo) & (cols < hi)
         v = tl.load(buf_row + cols, mask=vis, other=0).to(tl.uint32, bitcast=True)
         better = vis & ((v & known) < prefix)
-        tied = vis & ((v & known) == prefix)
-        flags = better.to(tl.int32) | (tied.to(tl.int32) << 16)  # one scan counts both (BLOCK < 2^16)
-        upto = tl.cumsum(flags, axis=0)
-        upto_better = run_better + (upto & 0xFFFF)
-        upto_tied = run_tied + (upto >> 16)
-        pos = tl.where(better, upto_better - 1, n_better + upto_tied - 1)
-        take = (better & (upto_better <= n_better)) | (tied & (upto_tied <= rem))
-        high = (v ^ 0x80000000).to(tl.int32, bitcast=True).to(tl.int64)  # v - 2^31
-        tl.store(out_row + pos, (high << 32) | cols.to(tl.int64), mask=take)
-        total = tl.sum(flags, axis=0)
-        run_better += total & 0xFFFF
-        run_tied += total >> 16
+        tied = (vis & ((v & known) == prefix)).to(tl.int32)
+        take = better | ((tied != 0) & (run_tied + tl.cumsum(tied, axis=0) <= rem))
+        slot = run_taken + tl.cumsum(take.to(tl.int32), axis=0) - 1
+        tl.store(out_row + slot, cols.to(tl.int64), mask=take)
+        run_tied += tl.sum(tied, axis=0)
+        run_taken += tl.sum(take.to(tl.int32), axis=0)
 
 
 def buffer_width(n: int) -> int:
@@ -234,7 +225,8 @@ def range_topk_triton(
         config: launch parameters (benchmarks sweep them).
 
     Returns:
-        int64 [t, topk]: key indices, best first, ties to the lower index, -1 = empty slot.
+        int64 [t, topk]: the selected key indices in ascending order (ties to the lower index),
+        then -1 for the empty slots.
         Same contract as :func:`kpool_layers.topk.chunked_range_topk`; runs without grad.
     """
     t, h, d = q.shape
@@ -256,7 +248,7 @@ def range_topk_triton(
             keys = keys.contiguous()
         weights = weights.detach()
         lo, hi = lo.to(torch.long).contiguous(), hi.to(torch.long).contiguous()
-        packed = torch.full((t, topk), _EMPTY, dtype=torch.long, device=q.device)  # the result
+        out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
         rows = min(chunk_rows(n, config), t)
         stride_buf = buffer_width(n)
         buf = torch.empty((rows, stride_buf), dtype=torch.int32, device=q.device)
@@ -273,14 +265,10 @@ def range_topk_triton(
                 num_warps=config.num_warps, num_stages=config.num_stages,
             )
             _select_kernel[(chunk,)](
-                buf, lo, hi, packed,
+                buf, lo, hi, out,
                 row0, n, topk, stride_buf,
                 BLOCK=config.select_block, RADIX_BITS=config.radix_bits,
                 PASSES=triton.cdiv(32, config.radix_bits),
                 num_warps=config.select_warps,
             )
-        for start in range(0, t, _SORT_ROWS):  # (score desc, index asc); -1 for empty slots
-            part = packed[start:start + _SORT_ROWS]
-            ordered = torch.sort(part, dim=1).values
-            part.copy_(torch.where(ordered == _EMPTY, -1, ordered & 0xFFFFFFFF))
-        return packed
+        return out

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kpool_layers.sparse_attention import check_layouts
+from kpool_layers.topk import ascending_selection
 
 TILELANG_DIM = 576
 """Channels SparseMLA is specialised for (512 latent + 64 rope)."""
@@ -147,6 +148,6 @@ def range_topk_tilelang(q: Tensor, keys: Tensor, weights: Tensor, lo: Tensor, hi
                 q[start:end].to(torch.bfloat16).contiguous(), keys_bf16,
                 weights[start:end].float().contiguous(), lo[start:end].to(torch.int32).contiguous(),
                 hi[start:end].to(torch.int32).contiguous(), clean_logits=True, use_relu=relu)
-            values, chosen = torch.topk(logits, width, dim=-1)  # best first
-            out[start:end, :width] = torch.where(values > float("-inf"), chosen, -1)
+            values, chosen = torch.topk(logits, width, dim=-1)
+            out[start:end, :width] = ascending_selection(chosen, values > float("-inf"))
     return out
