@@ -8,7 +8,8 @@
 #   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices;
 #   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, and the FP8
 #   grouped GEMM's tile sweep; fp8_cache (on request) = graphed glm5_proxy steps at global batch 2
-#   and 8: bf16, serving_match, and fp8 with each train.fp8_weight_cache choice
+#   and 8: bf16, serving_match, and fp8 with each train.fp8_weight_cache choice;
+#   train_graphed (on request) = 20 graphed serving_match train.py steps with a drift step every 5
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
@@ -68,6 +69,11 @@ for part in $parts; do
     train) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=proxy run train_proxy 420 \
              "$py" train.py experiment=glm5_proxy_h200 logging.mode=offline train.save_final=false
            cp /tmp/kpool-runs/proxy/metrics.jsonl "$out/proxy_metrics.jsonl" ;;
+    train_graphed) KPOOL_RUN_ROOT=/tmp/kpool-runs KPOOL_RUN_ID=graphed_drift run train_graphed 300 \
+                     "$py" train.py experiment=glm5_proxy_h200 precision=serving_match \
+                     train.cuda_graph_impl=full_iteration train.steps=20 precision.drift.interval=5 \
+                     logging.mode=offline train.save_final=false
+                   cp /tmp/kpool-runs/graphed_drift/metrics.jsonl "$out/graphed_drift_metrics.jsonl" ;;
     smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
             --out "$out/sparse_mla_triton.json" ;;
     *) echo "unknown part $part" >&2 ;;
