@@ -23,13 +23,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-_EMPTY = torch.iinfo(torch.int64).max
-"""Sort key of empty (``-1``) slots: after every real position."""
+from kpool_layers.topk import EMPTY_SORT_KEY, ascending_selection
 
 
 def _sorted_sets(idx: torch.Tensor) -> torch.Tensor:
-    """Rows sorted ascending with empty slots (``-1``) mapped to ``_EMPTY`` at the end."""
-    return torch.where(idx < 0, _EMPTY, idx).sort(dim=-1).values
+    """Rows sorted ascending with empty slots (``-1``) mapped to ``EMPTY_SORT_KEY`` at the end."""
+    return torch.where(idx < 0, EMPTY_SORT_KEY, idx).sort(dim=-1).values
 
 
 def intersection_sizes(train_idx: torch.Tensor, ref_idx: torch.Tensor) -> torch.Tensor:
@@ -54,8 +53,7 @@ def _dedupe(idx: torch.Tensor) -> torch.Tensor:
     s = _sorted_sets(idx)
     repeat = torch.zeros_like(s, dtype=torch.bool)
     repeat[..., 1:] = s[..., 1:] == s[..., :-1]
-    s = torch.where(repeat, _EMPTY, s).sort(dim=-1).values
-    return torch.where(s == _EMPTY, -1, s)
+    return ascending_selection(s, ~repeat)
 
 
 def pool_ids(idx: torch.Tensor, kpool: int, tail: int = 0) -> torch.Tensor:

@@ -7,10 +7,10 @@ tokens ``j*kpool .. j*kpool + kpool - 1``; its key is a gated softmax mixture of
 
 A query at document-local position ``p`` sees the complete pools ``j < (p + 1) // kpool``, scores
 them like token keys, keeps the ``topk // kpool`` best (ties -> lower pool index), expands every
-pool, in ascending pool order, to its ``kpool`` tokens and pads with -1 up to ``topk`` entries. With ``always_select_tail``
-the tokens of the query's incomplete pool, ``((p + 1) // kpool) * kpool .. p``, are appended
-(-1 padded to ``kpool - 1`` slots). Packed sequences restart pooling at every document start.
-``kpool == 1`` is plain DSA.
+pool, in ascending pool order, to its ``kpool`` tokens and pads with -1 up to ``topk`` entries.
+With ``always_select_tail`` the tokens of the query's incomplete pool,
+``((p + 1) // kpool) * kpool .. p``, are appended (-1 padded to ``kpool - 1`` slots). Packed
+sequences restart pooling at every document start. ``kpool == 1`` is plain DSA.
 
 Layouts (one batch row of ``t`` tokens, packed documents back to back):
     q [t, h, d], k [t, d], gate [t, d], ape [kpool, d], weights [t, h], cu_seqlens int [n_docs + 1]

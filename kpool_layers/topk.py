@@ -54,15 +54,15 @@ def index_scores(q: Tensor, keys: Tensor, weights: Tensor, *, relu: bool) -> Ten
     return torch.bmm(weights.unsqueeze(1), logits).squeeze(1)  # [c, 1, h] @ [c, h, n] -> [c, n]
 
 
-_EMPTY = torch.iinfo(torch.int64).max
-"""Sort key of an empty slot: after every key index."""
+EMPTY_SORT_KEY = torch.iinfo(torch.int64).max
+"""Sort key of an empty (-1) slot: after every key index."""
 
 
 def ascending_selection(chosen: Tensor, valid: Tensor) -> Tensor:
     """The selected indices ``chosen [..., k]`` (``valid [..., k]`` bool marks the slots that hold a
     selected key) in ascending order, then -1 for the other slots."""
-    ordered = torch.where(valid, chosen, _EMPTY).sort(dim=-1).values
-    return torch.where(ordered == _EMPTY, -1, ordered)
+    ordered = torch.where(valid, chosen, EMPTY_SORT_KEY).sort(dim=-1).values
+    return torch.where(ordered == EMPTY_SORT_KEY, -1, ordered)
 
 
 def topk_lower_index_ties(scores: Tensor, k: int) -> Tensor:

@@ -36,7 +36,8 @@ Queries are processed in chunks of ``R`` rows; per chunk two kernels run:
 Memory: the score buffer ``int32 [R, n']`` stays within ``LaunchConfig.score_buffer_bytes``
 (default ``SCORE_BUFFER_BYTES`` = 512 MiB: ``R`` = 32768 rows at 4K keys, 4096 at 32K; ``R`` a
 multiple of ``block_t`` where the bound allows, at least one row); besides it only the
-``[t, topk]`` int64 result. No host synchronisation: the grids depend on ``t``, ``n`` and the config only.
+``[t, topk]`` int64 result. No host synchronisation: the grids depend on ``t``, ``n`` and the
+config only.
 
 Determinism: every score is written once by one program (its FP32 sum runs over the heads in
 order), histograms are integer counts inside one program, and there are no atomics across
@@ -133,11 +134,10 @@ def _select_kernel(
 ):
     """Program ``r``: for query ``row0 + r``, the indices of the ``min(topk, count)`` smallest
     ``(v, index)`` of ``buf[r, lo:hi]``, in ascending order into ``out[row0 + r, :]``. One row per
-    program, every
-    tensor 1-D: a first version that ran several rows per program as 2-D tiles selected too few
-    keys on an H200 (triton 3.6; results changed with the warp count) while passing under the
-    interpreter; the cause was not isolated (a probe of ``tl.histogram`` on a reshaped tile
-    counted exactly), and this form passes the GPU tests (docs/benchmarks.md)."""
+    program, every tensor 1-D: a first version that ran several rows per program as 2-D tiles
+    selected too few keys on an H200 (triton 3.6; results changed with the warp count) while
+    passing under the interpreter; the cause was not isolated (a probe of ``tl.histogram`` on a
+    reshaped tile counted exactly), and this form passes the GPU tests (docs/benchmarks.md)."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
     local = tl.program_id(0)
     row = (row0 + local).to(tl.int64)
