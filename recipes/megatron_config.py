@@ -45,11 +45,11 @@ def grouped_experts(model_grouped_gemm: bool | None, policy: PrecisionPolicy, on
     return bool(model_grouped_gemm)
 
 
-def fused_cross_entropy(train_cross_entropy_fusion: bool, policy: PrecisionPolicy, on_gpu: bool) -> bool:
-    """``train.cross_entropy_fusion`` where megatron's native fused loss computes what its unfused
-    one does: on a GPU (its torch.compile'd parts), for bf16 logits (it hands back bf16 logit
-    gradients, which would be wrong for an fp32 model)."""
-    return train_cross_entropy_fusion and on_gpu and policy.params_dtype == torch.bfloat16
+def fused_cross_entropy(train_cross_entropy_fusion: bool, on_gpu: bool) -> bool:
+    """``train.cross_entropy_fusion`` where its kernels run: on a GPU
+    (``kpool_layers.cross_entropy``, Triton; any logits dtype, the logit gradients come back in
+    the logits' dtype). On the CPU megatron's unfused loss runs."""
+    return train_cross_entropy_fusion and on_gpu
 
 
 def _wgrad_fusion(ddp: bool) -> bool:
@@ -121,10 +121,12 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         experimental_attention_variant_loss_scale_func=(
             IndexerLossAutoScaler.set_loss_scale if copied["dsa_indexer_loss_coeff"] else None),
         # Kernels: the local backend uses plain torch ops (no apex/TE fusions but the weight
-        # gradients' accumulation into DDP's main_grad and megatron's native fused loss).
+        # gradients' accumulation into DDP's main_grad). With cross_entropy_loss_fusion the model
+        # is recipes.model's FusedLossGPTModel, whose loss is kpool_layers.cross_entropy's kernels;
+        # megatron's own "native" fused loss never runs.
         use_cpu_initialization=not on_gpu,
         gradient_accumulation_fusion=_wgrad_fusion(ddp),
-        cross_entropy_loss_fusion=fused_cross_entropy(cfg.train.cross_entropy_fusion, policy, on_gpu),
+        cross_entropy_loss_fusion=fused_cross_entropy(cfg.train.cross_entropy_fusion, on_gpu),
         cross_entropy_fusion_impl="native",
         bias_activation_fusion=False,
         bias_dropout_fusion=False,

@@ -298,7 +298,7 @@ class TrainConfig:
     # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/cuda_graph.py).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
     cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture
-    # megatron's native fused cross entropy (torch.compile'd) where it applies: CUDA, bf16 logits.
+    # The language-model loss in two Triton kernels on GPUs (kpool_layers/cross_entropy.py).
     cross_entropy_fusion: bool = True
     # FP8 weights quantized once per step, not per micro-batch (the same bits; precision.fp8 only).
     fp8_weight_cache: FP8WeightCache = FP8WeightCache.fp8
