@@ -6,8 +6,9 @@
 #   model.dsa_kernels backend; proxy = profile_step.py on glm5_proxy for bf16, fp8 and
 #   serving_match, eager and with CUDA graphs;
 #   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices;
-#   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, and the FP8
-#   grouped GEMM's tile sweep; fp8_cache (on request) = graphed glm5_proxy steps at global batch 2
+#   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, the FP8
+#   grouped GEMM's tile sweep, and F.scaled_mm's blockwise combinations (an FP8 backward's GEMMs);
+#   loss (on request) = the language-model loss: megatron's unfused and native fused, and ours; fp8_cache (on request) = graphed glm5_proxy steps at global batch 2
 #   and 8: bf16, serving_match, and fp8 with each train.fp8_weight_cache choice;
 #   train_graphed (on request) = 20 graphed serving_match train.py steps with a drift step every 5
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
@@ -56,7 +57,9 @@ for part in $parts; do
          run bench_fp8_linear_glm5 120 "$py" scripts/bench/fp8_linear.py model=glm5 data.seq_length=4096 \
            train.micro_batch_size=1 --out "$out/fp8_linear_glm5.json"
          run bench_fp8_grouped_sweep 240 "$py" scripts/bench/fp8_grouped_sweep.py experiment=glm5_proxy_h200 \
-           --out "$out/fp8_grouped_sweep.json" ;;
+           --out "$out/fp8_grouped_sweep.json"
+         run bench_fp8_scaled_mm_recipes 90 "$py" scripts/bench/fp8_scaled_mm_recipes.py ;;
+    loss) run bench_loss 90 "$py" scripts/bench/cross_entropy.py --out "$out/cross_entropy.json" ;;
     fp8_cache) for b in 2 8; do  # side by side; batch 8 is the experiment's own (8 micro-batches)
                  for p in bf16 serving_match fp8:none fp8:fp8 fp8:dequantized; do
                    prof=${p%%:*} cache=${p#*:}; [ "$cache" = "$p" ] && cache=dequantized
