@@ -164,7 +164,11 @@ def kernel_bound(ref: torch.Tensor, absprod: torch.Tensor, k: int, u_block: floa
 def check_kernel(device: str, out_dtype: torch.dtype, u_block: float, u_out: float) -> None:
     """The kernel (counts on the host and on ``device``) within :func:`kernel_bound` of the
     reference, both recipes; rows of the empty expert do not exist, so every row is checked. Other
-    tile configurations (row tiles of 64 and 256 rows: other expert schedules) give the same bits."""
+    tile configurations (row tiles of 64 and 256 rows: other expert schedules) give the same bits
+    on a GPU, where each output's 128-wide block dots run in the same order for any tile. Under the
+    interpreter ``tl.dot`` is a CPU matmul of the whole tile, whose summation order may change with
+    the tile's shape and the CPU (it did on an AMD EPYC without AVX-512, 2026-12-02): there the
+    other tiles are held to the same bound."""
     from kpool_layers.kernels.fp8_grouped_gemm_triton import Tiles
     from kpool_layers.kernels.fp8_grouped_gemm_triton import grouped_gemm as kernel
 
@@ -177,7 +181,11 @@ def check_kernel(device: str, out_dtype: torch.dtype, u_block: float, u_out: flo
             err = (out.double().cpu() - ref).abs()
             assert (err <= bound).all(), (recipe, float((err - bound).max()))
         for tiles in (Tiles(64, 256, 4, 3), Tiles(256, 128, 8, 3)):
-            assert torch.equal(kernel(xq, xs, wq, ws, counts, out_dtype, tiles=tiles), out), (recipe, tiles)
+            other = kernel(xq, xs, wq, ws, counts, out_dtype, tiles=tiles)
+            if device == "cpu":
+                assert ((other.double() - ref).abs() <= bound).all(), (recipe, tiles)
+            else:
+                assert torch.equal(other, out), (recipe, tiles)
     print("kernel within bounds")
 
 

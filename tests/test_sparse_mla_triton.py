@@ -221,21 +221,21 @@ def test_matches_reference_cpu(cpu_report: dict, case: str, layout: str) -> None
 @pytest.mark.parametrize("case", sorted(CP_CASES))
 def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str, layout: str
                                                   ) -> None:
-    """fp32. Vs the full run: every row's output, dq and slot probabilities come from the same
-    operations on the same values in the same order (only where the causal bound is read from
-    differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
+    """fp32. Vs the full run, gather layout: every row's output, dq and slot probabilities come
+    from the same operations on the same values in the same order (only where the causal bound is
+    read from differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
     the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
     norm-wise); so is the ranks' dkv sum vs the full dkv. Vs the torch reference with the same
-    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout's forward
-    takes each row's scores and output from fp32 GEMMs whose elements are the same dot products
-    in the same order for any chunk shape (the CPU BLAS; its backward's ``dQ = dS K`` relies on
-    the same), the key columns past a row's bound adding exact zeros, and its softmax kernel
-    reduces the same key blocks whether the bound is ``i`` or ``query_pos``; so the same holds."""
+    ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout takes each
+    row's scores and output (and its backward ``dQ = dS K``) from fp32 GEMMs over the whole
+    chunk, which the interpreter runs as CPU matmuls: their summation order may change with the
+    chunk's shape and the CPU (it did on an AMD EPYC without AVX-512, 2026-12-02, by 2.4e-8), so
+    there every result is held to ``RTOL``, the bound of an fp32 reordering."""
     report = cpu_report[f"{case}/{layout}"]
     errors = {k: e for k, e in report.items() if not isinstance(e, bool)}
     assert len(errors) == 8 * CP_CASES[case][6] + 1, report
     for key, err in errors.items():
-        exact = "/vs_full/" in key and not key.endswith("dkv")
+        exact = "/vs_full/" in key and not key.endswith("dkv") and layout != "dense"
         assert err <= (0.0 if exact else RTOL["float32"]), (key, report)
     assert report["unseen_keys_zero"], report
 
