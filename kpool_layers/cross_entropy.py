@@ -13,9 +13,9 @@ whole vocabulary and ``S = sum_v exp(x_v - m)`` (each tensor-parallel rank sums 
 its own maximum; the partial sums are rescaled to the all-reduced maximum and all-reduced),
 ``loss = log S - (x_label - m)`` where a rank holds the label, ``log S`` where none does (a label
 outside ``[0, V)``), and ``d loss / d x_v = exp(x_v - m - log S) - [v == label]``. The sums run in
-another order than megatron's (per lane, then across lanes), so the loss differs from megatron's
-by FP32 rounding, about ``V * 2**-24`` relative at most, and each logit gradient by that much
-before it is rounded to the logits' dtype (tests/test_cross_entropy.py).
+another order than megatron's (per lane, then across lanes), so loss and logit gradients differ
+from megatron's by FP32 rounding before the gradient is rounded to the logits' dtype (the bounds
+are derived in tests/test_cross_entropy_fusion.py).
 
 Layouts: logits ``[s, b, V / TP]`` (this rank's vocabulary slice, as megatron's output layer
 gives them), labels ``[b, s]``, loss ``[b, s]`` FP32, as

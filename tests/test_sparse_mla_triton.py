@@ -223,8 +223,8 @@ def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str, l
                                                   ) -> None:
     """fp32. Vs the full run, gather layout: every row's output, dq and slot probabilities come
     from the same operations on the same values in the same order (only where the causal bound is
-    read from differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact zeros for
-    the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
+    read from differs), so they are equal exactly; dkv sums the same fp32 partial rows, plus exact
+    zeros for the masked rows, in another tree grouping, ~sqrt(terms) * 2^-24: bound ``RTOL`` (1e-5,
     norm-wise); so is the ranks' dkv sum vs the full dkv. Vs the torch reference with the same
     ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout takes each
     row's scores and output (and its backward ``dQ = dS K``) from fp32 GEMMs over the whole

@@ -8,8 +8,9 @@
 #   proxy_ab (on request) = bf16 and serving_match with and without profile_step's --without choices;
 #   fp8 (on request) = one FP8 linear against bf16 at glm5_proxy's and GLM-5's shapes, the FP8
 #   grouped GEMM's tile sweep, and F.scaled_mm's blockwise combinations (an FP8 backward's GEMMs);
-#   loss (on request) = the language-model loss: megatron's unfused and native fused, and ours; fp8_cache (on request) = graphed glm5_proxy steps at global batch 2
-#   and 8: bf16, serving_match, and fp8 with each train.fp8_weight_cache choice;
+#   loss (on request) = the language-model loss: megatron's unfused and native fused, and ours;
+#   fp8_cache (on request) = graphed glm5_proxy steps at global batch 2 and 8: bf16,
+#   serving_match, and fp8 with each train.fp8_weight_cache choice;
 #   train_graphed (on request) = 20 graphed serving_match train.py steps with a drift step every 5
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 set -uo pipefail
