@@ -351,7 +351,8 @@ def test_checkpoint_writer_runs_in_process(train: Train, tmp_path: Path) -> None
 
 
 def test_sweep_jobs_get_their_own_save_directory(tmp_path: Path) -> None:
-    """Jobs of a sweep with one train.save used to share, prune and resume each other's checkpoints."""
+    """Jobs of a sweep with one train.save neither share, prune nor resume each other's
+    checkpoints."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf, read_write
