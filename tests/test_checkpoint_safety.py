@@ -102,8 +102,8 @@ def test_fresh_run_into_a_directory_with_checkpoints_is_refused_files_untouched(
 
 def test_overwrite_never_prunes_another_runs_checkpoints_nor_latest(
         run_copy: Path, train: Train, tmp_path: Path) -> None:
-    """The old bug: resume=none into a dir with later iter_* pruned each new checkpoint right
-    after it was written, and ``latest`` named a deleted directory."""
+    """resume=none into a dir with another run's later iter_* must neither prune each new
+    checkpoint right after it is written nor leave ``latest`` naming a deleted directory."""
     root = run_copy / "checkpoints"
     for step in (3, 2, 1):  # the other run's checkpoints are later than ours
         os.replace(root / f"iter_{step:07d}", root / f"iter_{step + 4:07d}")
