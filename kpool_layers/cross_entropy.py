@@ -3,8 +3,8 @@
 
 megatron-core 0.19.2's native fused loss (``fused_vocab_parallel_cross_entropy``, without
 Transformer Engine) widens the ``[s, b, V]`` logits to FP32, keeps ``exp(x - max)`` in FP32 for the
-backward and goes over the vocabulary in several compiled kernels: on glm5_proxy (V = 154,880,
-4,096 tokens) about 7 ms and a 2.5 GB FP32 buffer per micro-batch. Here the forward reads the
+backward and goes over the vocabulary in several compiled kernels (docs/benchmarks.md,
+"Language-model loss", times both). Here the forward reads the
 logits once (running maximum and rescaled sum per row) and the backward writes
 ``(softmax - onehot) * grad`` over the logits, which are all it keeps (in their own dtype).
 

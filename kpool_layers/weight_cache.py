@@ -5,8 +5,8 @@ values and scales, and the dequantized copy the straight-through backward multip
 same in every micro-batch of the step. Inside :func:`step_scope` the first forward of a weight
 quantizes it and keeps the result (:class:`QuantizedWeight`), with ``keep_dequantized`` its first
 backward keeps the dequantized copy, and the step's later micro-batches reuse them. Outside a
-scope (evaluation, the drift measurement, export, tests) nothing is kept: every call quantizes,
-as before. The numerics are the same bits either way; only repeated quantize / dequantize kernels
+scope (evaluation, the drift measurement, export, tests) nothing is kept: every call quantizes.
+The numerics are the same bits either way; only repeated quantize / dequantize kernels
 go.
 
 This is what megatron's ``is_first_microbatch`` does for Transformer Engine's FP8 weight caches.

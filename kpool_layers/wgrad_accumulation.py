@@ -4,8 +4,7 @@ gradient-accumulation fusion without apex.
 Under megatron's DDP every parameter has a ``main_grad`` (a view of the fp32 gradient buffer).
 Without gradient-accumulation fusion a linear's backward writes its weight gradient into a fresh
 ``weight.grad`` in the parameter dtype (bf16) and DDP's hook adds it into ``main_grad``: one more
-kernel and one more pass over the gradient per weight per micro-batch (glm5_proxy on an H200:
-15 ms per step in bf16 -> fp32 adds, docs/benchmarks.md). With
+kernel and one more pass over the gradient per weight per micro-batch. With
 ``TransformerConfig.gradient_accumulation_fusion`` megatron's ``ColumnParallelLinear`` /
 ``RowParallelLinear`` backward instead calls apex's ``fused_weight_gradient_mlp_cuda`` to
 compute ``main_grad += grad_output^T @ input`` in one GEMM (fp32 accumulation, beta = 1) and

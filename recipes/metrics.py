@@ -17,7 +17,8 @@ import torch
 from recipes.schema import LoggingConfig, WandbMode
 
 H200_BF16_TFLOPS = 756.0
-"""Measured dense bf16 matmul rate of one H200 on the lent device machine (docs/benchmarks.md)."""
+"""Dense bf16 matmul rate measured on one H200, TFLOP/s: the peak MFU is taken against
+(NVIDIA's spec dense bf16 peak is 989; docs/benchmarks.md gives MFU against both)."""
 
 
 @dataclass(frozen=True)

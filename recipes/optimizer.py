@@ -4,8 +4,7 @@ torch's fused AdamW kernel where megatron falls back to torch's optimizer.
 megatron-core 0.19.2 takes ``FusedAdam`` from Transformer Engine or apex; with neither installed it
 builds ``torch.optim.AdamW`` with torch's defaults, which on a GPU is the ``foreach`` implementation:
 a dozen multi-tensor launches per parameter chunk and one read-modify-write of the fp32 state per
-elementwise op (measured on an H200 for the glm5_proxy: 45 ms per step for 2.0 B parameters,
-docs/benchmarks.md). torch's own ``fused=True`` AdamW does the same update in one pass per tensor
+elementwise op. torch's own ``fused=True`` AdamW does the same update in one pass per tensor
 group. :func:`build_optimizer` switches megatron's fallback to it, at the build, where torch has a
 fused kernel for the parameters' device (CUDA and CPU): the same algorithm, hyper-parameters and
 state layout (``exp_avg``, ``exp_avg_sq`` per main parameter), with each parameter's ``step`` a

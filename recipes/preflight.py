@@ -1,7 +1,7 @@
 """Checks that run before the model is built, so that a run does not fail hours later at a save.
 
 * every size the build or a checkpoint divides by or allocates with is a positive integer (and a
-  multiple of TP where megatron splits it): ``model.ffn_hidden_size=0`` used to train and then
+  multiple of TP where megatron splits it): ``model.ffn_hidden_size=0``, say, would train and then
   crash in the final save;
 * the checkpoint directory is writable;
 * its file system has room for one more checkpoint, estimated from the parameter count.

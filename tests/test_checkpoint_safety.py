@@ -102,8 +102,8 @@ def test_fresh_run_into_a_directory_with_checkpoints_is_refused_files_untouched(
 
 def test_overwrite_never_prunes_another_runs_checkpoints_nor_latest(
         run_copy: Path, train: Train, tmp_path: Path) -> None:
-    """The old bug: resume=none into a dir with later iter_* pruned each new checkpoint right
-    after it was written, and ``latest`` named a deleted directory."""
+    """resume=none into a dir with another run's later iter_* must neither prune each new
+    checkpoint right after it is written nor leave ``latest`` naming a deleted directory."""
     root = run_copy / "checkpoints"
     for step in (3, 2, 1):  # the other run's checkpoints are later than ours
         os.replace(root / f"iter_{step:07d}", root / f"iter_{step + 4:07d}")
@@ -351,7 +351,8 @@ def test_checkpoint_writer_runs_in_process(train: Train, tmp_path: Path) -> None
 
 
 def test_sweep_jobs_get_their_own_save_directory(tmp_path: Path) -> None:
-    """Jobs of a sweep with one train.save used to share, prune and resume each other's checkpoints."""
+    """Jobs of a sweep with one train.save neither share, prune nor resume each other's
+    checkpoints."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf, read_write

@@ -257,8 +257,8 @@ def test_glm5_2_cluster_preset_is_valid_for_its_machine() -> None:
 
 
 def test_uneven_stages_build_their_own_layer_counts() -> None:
-    """Each stage's block spec has the layers megatron assigns it (was num_layers // PP on every
-    stage: 2 + 2 instead of 1 + 3). Trained end to end: torchrun --nproc-per-node 2 train.py
+    """Each stage's block spec has the layers megatron assigns it (not num_layers // PP on every
+    stage: 1 + 3, not 2 + 2). Trained end to end: torchrun --nproc-per-node 2 train.py
     parallelism=pp2 parallelism.num_layers_in_first_pipeline_stage=1 ..._last_...=3."""
     from kpool_layers.attention import glm_attention_spec
     from kpool_layers.spec import glm_decoder_block_spec

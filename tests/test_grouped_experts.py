@@ -178,8 +178,8 @@ def test_grouped_linear_kernel_and_loop_match_per_expert_gemms():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_grouped_wgrad_comes_in_the_weights_layout(device):
     """The FP8 experts' weight gradient: the grouped kernel gives ``[E, N, K]`` contiguous, the
-    weight's own layout (a transposed result made autograd copy every expert weight's gradient,
-    14 ms per glm5_proxy step on an H200), equal to the per-expert GEMMs."""
+    weight's own layout (a transposed result would make autograd copy every expert weight's
+    gradient), equal to the per-expert GEMMs."""
     if device == "cpu" and not CPU_GROUPED_MM:
         pytest.skip("this torch has no CPU grouped_mm")
     counts = torch.tensor(TOKENS_PER_EXPERT)

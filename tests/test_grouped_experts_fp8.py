@@ -167,7 +167,7 @@ def check_kernel(device: str, out_dtype: torch.dtype, u_block: float, u_out: flo
     tile configurations (row tiles of 64 and 256 rows: other expert schedules) give the same bits
     on a GPU, where each output's 128-wide block dots run in the same order for any tile. Under the
     interpreter ``tl.dot`` is a CPU matmul of the whole tile, whose summation order may change with
-    the tile's shape and the CPU (it did on an AMD EPYC without AVX-512, 2026-12-02): there the
+    the tile's shape and the CPU (it does on an AMD EPYC without AVX-512): there the
     other tiles are held to the same bound."""
     from kpool_layers.kernels.fp8_grouped_gemm_triton import Tiles
     from kpool_layers.kernels.fp8_grouped_gemm_triton import grouped_gemm as kernel

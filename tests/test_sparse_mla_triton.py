@@ -229,7 +229,7 @@ def test_query_pos_matches_full_sequence_rows_cpu(cpu_report: dict, case: str, l
     ``query_pos``: ``RTOL`` as in ``test_matches_reference_cpu``. The dense layout takes each
     row's scores and output (and its backward ``dQ = dS K``) from fp32 GEMMs over the whole
     chunk, which the interpreter runs as CPU matmuls: their summation order may change with the
-    chunk's shape and the CPU (it did on an AMD EPYC without AVX-512, 2026-12-02, by 2.4e-8), so
+    chunk's shape and the CPU (it does on an AMD EPYC without AVX-512, by 2.4e-8), so
     there every result is held to ``RTOL``, the bound of an fp32 reordering."""
     report = cpu_report[f"{case}/{layout}"]
     errors = {k: e for k, e in report.items() if not isinstance(e, bool)}

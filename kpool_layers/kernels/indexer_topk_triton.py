@@ -29,9 +29,7 @@ Queries are processed in chunks of ``R`` rows; per chunk two kernels run:
    a CPU simulation of the select) or all 32 bits are known (exact ties). One final pass writes
    the indices of the keys below the bucket and of the bucket's first ``rem`` keys (ties to the
    lower index) into the ``[t, topk]`` result in ascending key order, a running count of the
-   taken keys giving each its slot; slots beyond ``k`` stay -1. No sort follows: an earlier
-   version wrote (score, index) pairs and sorted each row best first, a ``torch.sort`` of
-   ``[4096, 2048]`` int64 rows that cost 11 ms per glm5_proxy step on an H200 (docs/benchmarks.md).
+   taken keys giving each its slot; slots beyond ``k`` stay -1. No sort follows.
 
 Memory: the score buffer ``int32 [R, n']`` stays within ``LaunchConfig.score_buffer_bytes``
 (default ``SCORE_BUFFER_BYTES`` = 512 MiB: ``R`` = 32768 rows at 4K keys, 4096 at 32K; ``R`` a
@@ -66,9 +64,8 @@ class LaunchConfig:
 
     The defaults were chosen for Hopper (a 64-row tile is one warpgroup's wgmma M, 128 keys keep
     the FP32 accumulator at 64 registers per thread with 4 warps, 3 stages pipeline the per-head
-    query tiles) and kept after a sweep on an H200 at s = 4096 (scripts/bench/
-    indexer_topk_triton_check.py: 0.89 ms; other tiles 0.89-0.94 ms, 6-bit digits 0.87 ms, 11-bit
-    1.55 ms)."""
+    query tiles) and kept after a sweep on an H200 at s = 4096
+    (``scripts/bench/indexer_topk_triton_check.py``; docs/indexer_topk_triton.md)."""
 
     block_t: int = 64  # scoring: queries per program (tensor-core M), power of 2 >= 16
     block_n: int = 128  # scoring: keys per program (tensor-core N), power of 2 >= 16
@@ -134,10 +131,7 @@ def _select_kernel(
 ):
     """Program ``r``: for query ``row0 + r``, the indices of the ``min(topk, count)`` smallest
     ``(v, index)`` of ``buf[r, lo:hi]``, in ascending order into ``out[row0 + r, :]``. One row per
-    program, every tensor 1-D: a first version that ran several rows per program as 2-D tiles
-    selected too few keys on an H200 (triton 3.6; results changed with the warp count) while
-    passing under the interpreter; the cause was not isolated (a probe of ``tl.histogram`` on a
-    reshaped tile counted exactly), and this form passes the GPU tests (docs/benchmarks.md)."""
+    program, every tensor 1-D (docs/indexer_topk_triton.md, "Why one row per program")."""
     NBINS: tl.constexpr = 1 << RADIX_BITS
     local = tl.program_id(0)
     row = (row0 + local).to(tl.int64)

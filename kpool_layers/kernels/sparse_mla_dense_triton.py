@@ -77,10 +77,9 @@ sees end at its last query: fewer zero columns above the causal diagonal)."""
 def dense_pays(s_kv: int, width: int, heads: int) -> bool:
     """Whether the contiguous-block layout is the faster one for ``s_kv`` keys, ``width`` slots and
     ``heads`` query heads: its work grows with the causal prefix (``~s_kv / 2`` keys per query),
-    the gather kernels' with ``width`` but with a per-key cost that heads amortize. Measured on an
-    H200 (docs/benchmarks.md, bf16, top-2048, fwd + bwd, dense / gather): 16 heads 0.19 at 4K,
-    0.28 at 8K, 0.50 at 16K, 0.95 at 32K; 64 heads 0.36 at 4K, 0.59 at 8K, 1.09 at 16K; hence
-    ``s_kv * heads <= 256 * W``."""
+    the gather kernels' with ``width`` but with a per-key cost that heads amortize. The bound
+    ``s_kv * heads <= 256 * W`` is the crossover measured on an H200 (docs/kernels.md and
+    docs/benchmarks.md, "Sparse MLA attention")."""
     return s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * width
 
 
@@ -215,8 +214,8 @@ CONFIGS = {
     "ds": dict(BM=128, BN=128, BC=64, num_warps=8, num_stages=3),
 }
 """Rows (heads of one query token, ``softmax``; query tokens x heads, ``ds``), key block and
-(``ds``) channel block per kernel. ``ds`` measured on an H200 for the 16-head proxy; ``softmax``
-not tuned yet. The bits of the results depend on them, so a fixed table (no autotuning) keeps runs
+(``ds``) channel block per kernel. ``ds`` chosen on an H200 for the 16-head proxy; ``softmax``
+not tuned. The bits of the results depend on them, so a fixed table (no autotuning) keeps runs
 reproducible across processes."""
 
 

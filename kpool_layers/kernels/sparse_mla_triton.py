@@ -19,7 +19,7 @@ A slot counts only if ``key_start[i] <= key <= query_pos[i]``; other slots are i
 without a valid slot gets zero output and zero gradients. Precondition: the valid keys of one row
 are unique (the indexer's top-k guarantees it); unlike the reference, duplicates are not dropped.
 ``query_pos`` is read through a pointer behind the ``HAS_QPOS`` constexpr: without it the kernels
-compile exactly as before (``key <= i``). Its values are not checked (no host sync): they must lie
+compile to the plain causal form (``key <= i``). Its values are not checked (no host sync): they must lie
 in ``[0, s_kv)``, like the top-k keys, since valid slots are loaded unguarded.
 
 Two layouts (``layout=``): the gather kernels below, and for dense selections (many slots per key

@@ -27,8 +27,8 @@ cover:
   ``idx < seq_len_kv``. megatron's own absorbed-DSA hook (``fused_sparse_mla_absorbed`` in
   ``ops/tilelang_dsa.py``) likewise checks batch and ``indices.size(1) == query.size(0)`` but not
   ``query.size(0) == key.size(0)``, and its ``DSAttention`` runs allgather CP the same way (local
-  queries, keys gathered in full-sequence order, ``dsa.py``). Read, not run here on a GPU with
-  ``s_q != s_kv``.
+  queries, keys gathered in full-sequence order, ``dsa.py``). The adapter with ``s_q != s_kv`` is
+  tested on a GPU (``test_tilelang_sparse_mla_with_query_pos_matches_torch``).
 * The indexer: logits of at most ``chunk_size`` queries at a time (``[chunk, n]`` FP32, never
   ``[t, n]``), masked outside each query's ``[lo, hi)``, then ``torch.topk``. Ties among exactly
   equal scores follow ``torch.topk`` (not the lower-index rule of :mod:`kpool_layers.topk`).
@@ -52,11 +52,9 @@ TILELANG_DIM = 576
 """Channels SparseMLA is specialised for (512 latent + 64 rope)."""
 TILELANG_V = 512
 TILELANG_SLOT_BLOCK = 128
-"""Slot widths we hand SparseMLA: multiples of 128 (two of its 64-slot blocks). Measured on an
-H200 (megatron-core 0.19.2, tilelang 0.1.15, bf16, 576/512, forward vs an FP32 reference): with 16
-heads W = 192 is wrong (relative error 0.32; 0.5 for W = 131, which megatron pads to 192), while
-W = 128, 256, 320, 384, 512, 1024 and every width at 32 or 64 heads are right (2e-3); so the
-adapter pads with -1 slots to a multiple of 128 itself (docs/kernels.md)."""
+"""Slot widths we hand SparseMLA: multiples of 128 (two of its 64-slot blocks), padded with -1
+slots here, because SparseMLA's own padding to 64 gives wrong results for some widths at 16 heads
+(W = 192 on an H200; docs/kernels.md, "What the TileLang adapter adds")."""
 
 
 def tilelang_heads(n: int) -> int:

@@ -23,9 +23,12 @@ A backend that cannot run here is reported with its reason. Shapes (``--shape``)
     glm5_kpool  64 heads, NoPE latent 512, indexer 32 x 128, kpool 4 + tail, top-2048 (GLM-5.3-Flash)
     glm5_proxy  16 heads, latent 512 + rope 64, indexer 32 x 128, top-2048 (model=glm5_proxy)
 
-    python scripts/bench/attention.py --out docs/results/attention_h200.json              # H200
-    python scripts/bench/attention.py --shape glm5_kpool --out docs/results/kpool_h200.json
+    python scripts/bench/attention.py --out runs/attention.json                           # H200
+    python scripts/bench/attention.py --shape glm5_kpool --out runs/kpool.json
     python scripts/bench/attention.py --small --out /tmp/attention.json                   # CPU
+
+``scripts/bench/record_result.py`` adds an ``--out`` file to ``docs/results/attention_h200.json``
+or ``kpool_h200.json``.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ shape (32 heads x 128, top-2048, ReLU scoring, bf16 inputs, FP32 weights).
 2. Timing (``triton.testing.do_bench``, median ms) and extra peak memory of scoring + top-k at
    s = 4K .. 32K (one causal document, t = s queries), kpool 1 and 4, reference vs Triton; the
    Triton row also gives the FLOP rate of its scoring (every visible pair scored once) over the
-   whole call's time, and, timed alone, a ``torch.sort`` of a ``[t, topk]`` int64 tensor: the
-   best-first ordering an earlier version ran at the end of every call (the select kernel now
-   writes ascending key order, so the call no longer includes it).
+   whole call's time, and, timed alone, a ``torch.sort`` of a ``[t, topk]`` int64 tensor (what
+   ordering each row best first would add; the select kernel writes ascending key order and the
+   call does not sort).
 3. A sweep of launch configs at s = 16K, kpool 1.
 
 Prints a table last and writes JSON to ``--out``. Runs on torch >= 2.6 and triton >= 3.4.

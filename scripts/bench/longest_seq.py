@@ -3,12 +3,13 @@ of a few steps at growing ``data.seq_length`` (micro batch 1), each in its own p
 runs out of memory (or out of time).
 
     python scripts/bench/longest_seq.py --seqs 32768 65536 131072 \\
-        --out docs/results/longest_seq_h200.json [-- train.py overrides ...]
+        --out runs/longest_seq.json [-- train.py overrides ...]
 
 Default overrides: ``experiment=glm5_proxy_h200`` (bf16), ``train.steps=2``, global batch 1.
 ``model.max_position_embeddings`` is raised to the sequence length where it is smaller (rotary
 tables only; the proxy's default is 32768). Per length the JSON holds the status (``trained``,
-``oom``, ``timeout``, ``failed``), the last step's time, tokens/s and the peak memory of the run.
+``oom``, ``timeout``, ``failed``), the last step's time, tokens/s and the peak memory of the run;
+``scripts/bench/record_result.py`` adds it to ``docs/results/longest_seq_h200.json``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Plot results of ``scripts/bench/precision.py``: loss curves and top-k overlap against the
-drift reference, one line per profile, from one or more result JSONs (profiles run in separate
-commands are merged; a later file's profile replaces an earlier one of the same name).
+drift reference, one line per profile, from one or more result JSONs: files written by
+``precision.py --out`` or a ``docs/results`` file whose ``runs`` each hold such ``results``
+(profiles run in separate commands are merged; a later run's profile replaces an earlier one of the
+same name).
 
     python scripts/bench/plot_precision.py a.json b.json --out precision.png [--smooth 10]
 
@@ -23,9 +25,11 @@ def load(paths: list[Path]) -> dict[str, dict[str, Any]]:
     """Completed or partial results by profile name, in first-seen order."""
     merged: dict[str, dict[str, Any]] = {}
     for path in paths:
-        for result in json.loads(path.read_text())["results"]:
-            if result["status"] != "failed":
-                merged[result["profile"]] = result
+        data = json.loads(path.read_text())
+        for run in data["runs"] if "runs" in data else [data]:
+            for result in run["results"]:
+                if result["status"] != "failed":
+                    merged[result["profile"]] = result
     return merged
 
 

@@ -91,7 +91,7 @@ WITHOUT: dict[str, Callable[[], None]] = {
     "local_dispatch": _switch_off_local_dispatch,
 }
 """Launch-saving build choices ``--without`` switches off, to measure each side by side with the
-same command (the step as it was before them)."""
+same command (the step without them)."""
 
 
 def sync_sites(step: Callable[[], float], frames: int = 2) -> dict[str, int]:
