@@ -38,7 +38,6 @@ import pytest
 import torch
 
 from kpool_layers import fp8
-from kpool_layers.drift import boundary_tie_frac, topk_drift
 from kpool_layers.hadamard import rotate_activation
 from kpool_layers.kpool import index_keys, kpool_select, kpool_topk, pool_keys, pool_layout
 from kpool_layers.topk import chunked_range_topk
@@ -284,17 +283,18 @@ def test_loss_and_drift_finite_without_pools(single_rank_parallel_state, lengths
         grads = [p.grad for p in indexer.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(gr).all() for gr in grads)
         assert indexer.index_kpool_compress_gate.weight.grad.abs().sum() > 0
-    # Drift of the selection against a recompute under the serving numerics (FP8 index inputs).
+    # Drift (recipes.drift_logging's per-layer path) against a recompute under the serving
+    # numerics (FP8 index inputs).
+    from recipes.drift_logging import Recorded, layer_drift
+
     serving = IndexerNumerics(projections=RoutedProjections(), k_norm_fp32=False, index_quant="ue8m0")
-    ref = indexer.recompute(serving, hidden, latent, cu_seqlens=cu)
-    tail, relu = kpool - 1, indexer.config.dsa_indexer_scoring_relu
-    train_scores = ScoredSelection.of(out, indexer.numerics).scores(0, relu, 4)[None]
-    ref_scores = ScoredSelection.of(ref, serving).scores(0, relu, 4)[None]
-    assert train_scores.shape == ref_scores.shape == (1, t, out.layout.n_pools)
-    metrics = topk_drift(out.topk_indices, ref.topk_indices, kpool=kpool, tail=tail,
-                         train_scores=train_scores, ref_scores=ref_scores)
-    metrics["boundary_tie_frac"] = boundary_tie_frac(ref_scores, 2)
+    recorded = Recorded({"hidden": hidden, "q_latent": latent, "rotary_fn": None, "cu_seqlens": cu},
+                        ScoredSelection.of(out, indexer.numerics))
+    metrics = layer_drift(indexer, recorded, serving)
+    assert {"topk_overlap", "pool_overlap", "score_rel_err", "boundary_tie_frac"} <= set(metrics)
     assert all(torch.isfinite(v) for v in metrics.values()), metrics
+    ref = indexer.recompute(serving, hidden, latent, cu_seqlens=cu)
+    tail = kpool - 1
     # Every query sees its tail, so every row is non-empty and the tails agree exactly.
     assert torch.equal(out.topk_indices[..., -tail:], ref.topk_indices[..., -tail:])
 
