@@ -24,6 +24,7 @@ bit. Rows without pools keep the indexer loss and the drift metrics finite.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,8 +40,13 @@ import torch
 
 from kpool_layers import fp8
 from kpool_layers.hadamard import rotate_activation
+from kpool_layers.indexer import DSAIndexer, IndexerNumerics, RoutedProjections, ScoredSelection
+from kpool_layers.indexer_loss import indexer_kl_loss
 from kpool_layers.kpool import index_keys, kpool_select, kpool_topk, pool_keys, pool_layout
+from kpool_layers.precision import PrecisionPolicy
 from kpool_layers.topk import chunked_range_topk
+from recipes.drift_logging import Recorded, layer_drift
+from tests.test_indexer import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 16  # channels of the CPU cases: the Hadamard scale 16 ** -0.5 = 0.25 is exact
@@ -207,15 +213,16 @@ def test_rotation_acts_after_pooling() -> None:
 # --- the layer: short rows, zero pools, loss and drift --------------------------------------------
 
 
-def _indexer(kpool: int, topk: int, tail: bool, **overrides):
-    from tests.test_indexer import tiny_config
-    from kpool_layers.indexer import DSAIndexer
+def _indexer(kpool: int, topk: int, tail: bool, range_topk: Optional[Callable[..., torch.Tensor]] = None,
+             **overrides):
+    """A tiny NoPE indexer (rotation on) with seeded random weights, a non-trivial gate and ape."""
 
     cfg = tiny_config(dsa_indexer_kpool=kpool, dsa_indexer_topk=topk,
                       dsa_indexer_kpool_always_select_tail=tail, dsa_indexer_query_chunk_size=3,
                       **overrides)
-    indexer = DSAIndexer(cfg, layer_number=1)
-    with torch.no_grad():  # a non-trivial gate and ape
+    torch.manual_seed(kpool)
+    indexer = DSAIndexer(cfg, layer_number=1, range_topk=range_topk)
+    with torch.no_grad():
         indexer.index_kpool_compress_gate.weight.normal_()
         indexer.index_kpool_compress_ape.normal_()
     return indexer
@@ -264,8 +271,6 @@ def test_loss_and_drift_finite_without_pools(single_rank_parallel_state, lengths
     """Forward, indexer loss and backward on rows with pool-less documents (and whole rows without
     a pool): the loss is finite, 0 exactly when no query sees a pool (no KL term), and every
     gradient is finite; the drift metrics of the selection against a recomputation are finite."""
-    from kpool_layers.indexer import IndexerNumerics, RoutedProjections, ScoredSelection
-    from kpool_layers.indexer_loss import indexer_kl_loss
 
     indexer = _indexer(kpool, 2 * kpool, tail=True)
     t = sum(lengths)
@@ -285,8 +290,6 @@ def test_loss_and_drift_finite_without_pools(single_rank_parallel_state, lengths
         assert indexer.index_kpool_compress_gate.weight.grad.abs().sum() > 0
     # Drift (recipes.drift_logging's per-layer path) against a recompute under the serving
     # numerics (FP8 index inputs).
-    from recipes.drift_logging import Recorded, layer_drift
-
     serving = IndexerNumerics(projections=RoutedProjections(), k_norm_fp32=False, index_quant="ue8m0")
     recorded = Recorded({"hidden": hidden, "q_latent": latent, "rotary_fn": None, "cu_seqlens": cu},
                         ScoredSelection.of(out, indexer.numerics))
@@ -305,14 +308,8 @@ def test_serving_path_quantizes_the_unrotated_softmax_pool(single_rank_parallel_
     the softmax pool of the unrotated token keys, bit for bit, and the queries the same map of
     the unrotated index queries; the scores equal ``fp8.serving_index_scores`` of those inputs
     (FP32 sums in another order: 1e-6, as tests/test_precision_profiles.py bounds them)."""
-    import dataclasses
-
-    from kpool_layers.indexer import ScoredSelection
-    from kpool_layers.precision import PrecisionPolicy
-
     plain = _indexer(4, 8, tail=True, dsa_indexer_head_dim=32, dsa_indexer_n_heads=4)
     cfg = dataclasses.replace(plain.config, precision=PrecisionPolicy(dsa_indexer_kpool_use_quantization=True))
-    from kpool_layers.indexer import DSAIndexer
 
     indexer = DSAIndexer(cfg, layer_number=1)
     indexer.load_state_dict(plain.state_dict())
@@ -363,13 +360,7 @@ def _interpreted_cases() -> dict[str, Optional[str]]:
             run(f"{name}/{'rotated' if rotate else 'plain'}", check)
     for lengths, kpool in LAYER_ROWS:
         def layer(lengths=lengths, kpool=kpool) -> None:
-            from kpool_layers.indexer import DSAIndexer
-
-            cfg = _indexer(kpool, 2 * kpool, tail=True).config
-            indexer = DSAIndexer(cfg, layer_number=1, range_topk=range_topk_triton)
-            with torch.no_grad():
-                indexer.index_kpool_compress_gate.weight.normal_()
-                indexer.index_kpool_compress_ape.normal_()
+            indexer = _indexer(kpool, 2 * kpool, tail=True, range_topk=range_topk_triton)
             layer_matches_reference(indexer, lengths, seed=kpool)
         run(f"layer/{'_'.join(map(str, lengths))}/kpool{kpool}", layer)
     return results
@@ -464,14 +455,9 @@ def test_gpu_layer_with_triton_on_short_rows(single_rank_parallel_state, lengths
     """The layer (FP32, CUDA) with the Triton top-k on short and pool-less rows, against the
     reference on the same device. FP32 scores of two summation orders: the random inputs have
     no near-ties at these sizes (the CPU interpreter case of the same rows selects identically)."""
-    from kpool_layers.indexer import DSAIndexer
     from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
 
-    cfg = _indexer(kpool, 2 * kpool, tail=True).config
-    indexer = DSAIndexer(cfg, layer_number=1, range_topk=range_topk_triton).cuda()
-    with torch.no_grad():
-        indexer.index_kpool_compress_gate.weight.normal_()
-        indexer.index_kpool_compress_ape.normal_()
+    indexer = _indexer(kpool, 2 * kpool, tail=True, range_topk=range_topk_triton).cuda()
     t = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     g = torch.Generator().manual_seed(kpool)
