@@ -24,9 +24,10 @@ so ``finalize_model_grads`` averages their gradients over TP.
 Context parallelism (:mod:`kpool_layers.context_parallel`): the indexer gets this CP rank's rows
 (queries at the rank's positions of the load-balanced split); its token keys (after rotary,
 and after the rotation for ``kpool == 1``) and KPool gates are gathered from all CP ranks into
-sequence order (gradients reduce-scattered back), so each local query scores every key of the row it may see; pools and
-document boundaries (``cu_seqlens`` of the whole row) are global, and the output's ``layout`` holds
-this rank's query rows (:meth:`PoolLayout.for_queries`).
+sequence order (gradients reduce-scattered back), so each local query scores every key of the
+row it may see; pools (rotated after pooling) and document boundaries (``cu_seqlens`` of the
+whole row) are global, and the output's ``layout`` holds this rank's query rows
+(:meth:`PoolLayout.for_queries`).
 
 Precision (``docs/precision.md``): every computation runs under explicit :class:`IndexerNumerics`.
 The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are fixed at

@@ -11,8 +11,9 @@ Facts of the HF reference implementation (transformers 5.24) that are not config
 the indexer applies interleaved rope to its first ``qk_rope_head_dim`` channels (glm_moe_dsa;
 glm5_next's indexer has no rope), scores with ReLU, and normalises its key with a LayerNorm of
 eps 1e-6; neither applies a Hadamard rotation to the index queries and keys (glm5_next pools the
-unrotated keys; our rotation acts after pooling, so it changes the scores only by rounding); glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the
-router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
+unrotated keys; our rotation acts after pooling, so it changes the scores only by rounding);
+glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the router is sigmoid +
+``e_score_correction_bias`` with FP32 logits.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "dsa_indexer_rope_interleaved": hf["model_type"] == "glm_moe_dsa",
         "dsa_indexer_scoring_relu": True,
         # transformers never rotates; upstream Megatron-LM and the serving engines rotate q and the
-        # scored (for KPool: pooled) keys. Both act after pooling, where the Hadamard is orthonormal:
+        # scored keys (for KPool the pooled keys, after pooling). The Hadamard is orthonormal, so
         # the scores are transformers' up to rounding for every kpool (docs/hf_interop.md).
         "dsa_indexer_rotate_activation": True,
         "dsa_indexer_k_norm_epsilon": INDEXER_K_NORM_EPS,
