@@ -19,13 +19,15 @@ tests/test_indexer_topk_triton.py runs it; on CUDA in the GPU class) and over th
 short and pool-less rows (torch and Triton top-k). Rotation placement (after pooling, on the
 pooled keys and the queries) is a case of its own with hand-derived scores; the serving path's
 (``serving_match``) pooled keys are ``serving_index_quant`` of the unrotated softmax pool bit for
-bit. Rows without pools keep the indexer loss and the drift metrics finite.
+bit. Rows without pools keep the indexer loss and the drift metrics finite, and the whole
+attention layer trains on them (forward and backward finite).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -300,6 +302,35 @@ def test_loss_and_drift_finite_without_pools(single_rank_parallel_state, lengths
     tail = kpool - 1
     # Every query sees its tail, so every row is non-empty and the tails agree exactly.
     assert torch.equal(out.topk_indices[..., -tail:], ref.topk_indices[..., -tail:])
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("cu,kpool,tail", [([0, 3], 4, True), ([0, 5, 9, 16], 8, True),
+                                           ([0, 5, 9, 16], 8, False), ([0, 3, 12], 4, False)])
+def test_attention_layer_trains_on_short_rows(single_rank_parallel_state, cu, kpool: int, tail: bool,
+                                              sparse: bool) -> None:
+    """The whole attention layer (rotary indexer, rotation on, indexer loss on) on rows whose
+    documents are shorter than kpool (or partly so): forward and backward are finite, the
+    recorded indexer loss is finite (0 where no query sees a pool: no KL term)."""
+    from kpool_layers.attention import collect_indexer_losses
+    from tests.test_attention import build, thd
+    from tests.test_attention import tiny_config as attention_config
+
+    torch.manual_seed(kpool)
+    cfg = attention_config(dsa_indexer_kpool=kpool, dsa_indexer_topk=2 * kpool,
+                           dsa_indexer_kpool_always_select_tail=tail, dsa_indexer_loss_coeff=1.0,
+                           dsa_indexer_use_sparse_loss=sparse)
+    assert cfg.dsa_indexer_rotate_activation and cfg.qk_pos_emb_head_dim > 0
+    module = build(cfg)
+    x = torch.randn(cu[-1], 1, 32, requires_grad=True)
+    out, _ = module(x, None, packed_seq_params=thd(cu))
+    (out * torch.randn_like(out)).sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    assert all(torch.isfinite(p.grad).all() for p in module.parameters() if p.grad is not None)
+    losses = collect_indexer_losses(module)
+    assert len(losses) == 1 and all(math.isfinite(v) for v in losses.values())
+    if all(b - a < kpool for a, b in zip(cu[:-1], cu[1:])):
+        assert list(losses.values()) == [0.0]
 
 
 def test_serving_path_quantizes_the_unrotated_softmax_pool(single_rank_parallel_state) -> None:
