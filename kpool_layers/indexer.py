@@ -5,12 +5,14 @@ Per token ``t`` of a row (megatron's sequence-first layout, ``[s, b, ...]``):
     q[t]  = W_q  q_latent[t]            [n_heads, head_dim]   q_latent: RMS-normalised MLA query latent
     k[t]  = LayerNorm(W_k hidden[t])    [head_dim]            one shared key per token
     w[t]  = W_w hidden[t] * n_heads**-0.5 * head_dim**-0.5    [n_heads]
-    rotary on the first qk_pos_emb_head_dim channels of q and k (none under NoPE),
-    then optionally a Hadamard rotation of q and k;
+    rotary on the first qk_pos_emb_head_dim channels of q and k (none under NoPE);
+    key[j] = the token key k[j] (plain DSA) or the pooled key of :mod:`kpool_layers.kpool`
+             (``kpool > 1``, pooled from the token keys after rotary),
+    then optionally (``dsa_indexer_rotate_activation``) a Hadamard rotation of q and key[j]:
+             for ``kpool > 1`` after pooling, as upstream Megatron-LM and SGLang rotate;
     score(t, j) = sum_h w[t, h] * act(q[t, h] . key[j]),   act = ReLU or identity,
 
-causal (and per document for packed THD). ``key[j]`` is the token key (plain DSA) or the pooled
-key of :mod:`kpool_layers.kpool` (``kpool > 1``). Inputs are detached: the indexer learns only
+causal (and per document for packed THD). Inputs are detached: the indexer learns only
 through :func:`kpool_layers.indexer_loss.indexer_kl_loss`.
 
 All projections are linears duplicated on every TP rank (the indexer sees the full, SP-gathered
@@ -20,11 +22,12 @@ role); their parameters carry megatron's ``average_gradients_across_tp_domain``
 so ``finalize_model_grads`` averages their gradients over TP.
 
 Context parallelism (:mod:`kpool_layers.context_parallel`): the indexer gets this CP rank's rows
-(queries at the rank's positions of the load-balanced split); its token keys (after rotary and
-rotation) and KPool gates are gathered from all CP ranks into sequence order (gradients
-reduce-scattered back), so each local query scores every key of the row it may see; pools and
-document boundaries (``cu_seqlens`` of the whole row) are global, and the output's ``layout`` holds
-this rank's query rows (:meth:`PoolLayout.for_queries`).
+(queries at the rank's positions of the load-balanced split); its token keys (after rotary,
+and after the rotation for ``kpool == 1``) and KPool gates are gathered from all CP ranks into
+sequence order (gradients reduce-scattered back), so each local query scores every key of the
+row it may see; pools (rotated after pooling) and document boundaries (``cu_seqlens`` of the
+whole row) are global, and the output's ``layout`` holds this rank's query rows
+(:meth:`PoolLayout.for_queries`).
 
 Precision (``docs/precision.md``): every computation runs under explicit :class:`IndexerNumerics`.
 The training numerics (:func:`training_numerics`, ``DSAIndexer.numerics``) are fixed at
@@ -55,7 +58,7 @@ from kpool_layers.dsa_kernels import RangeTopK, range_topk_kernel
 from kpool_layers.fp8 import serving_index_quant
 from kpool_layers.hadamard import rotate_activation
 from kpool_layers.linears import RoleDuplicatedLinear, computed_by_owner, role_spec
-from kpool_layers.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
+from kpool_layers.kpool import PoolLayout, index_keys, kpool_select, pool_layout
 from kpool_layers.precision import Role
 from kpool_layers.topk import index_scores, score_dtype
 
@@ -305,17 +308,19 @@ class DSAIndexer(MegatronModule):
         return rotate_activation(x) if hadamard else x
 
     def _rotate_qk(self, q: Tensor, k: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]],
-                   hadamard: bool) -> tuple[Tensor, Tensor]:
-        """:meth:`_rotate` of the index queries q [s, b, n_heads, head_dim] and keys k [s, b,
-        head_dim] -> (contiguous q, contiguous k). Both maps act on every head_dim vector alone, so
-        q and k of one dtype go through them as one [s, b, n_heads + 1, head_dim] tensor: the
-        same values in a third of the kernels."""
+                   hadamard_q: bool, hadamard_k: bool) -> tuple[Tensor, Tensor]:
+        """Rotary on the index queries q [s, b, n_heads, head_dim] and token keys k [s, b,
+        head_dim], then :func:`rotate_activation` of q with ``hadamard_q`` and of k with
+        ``hadamard_k`` -> (contiguous q, contiguous k). Both maps act on every head_dim vector
+        alone, so q and k of one dtype that get the same maps go through them as one [s, b,
+        n_heads + 1, head_dim] tensor: the same values in a third of the kernels."""
         s, b = k.shape[:2]
-        if self.rope_dim == 0 and not hadamard:
+        if q.dtype != k.dtype or hadamard_q != hadamard_k:  # no common tensor
+            return (self._rotate(q, rotary_fn, hadamard_q),
+                    self._rotate(k.view(s, b, 1, -1), rotary_fn, hadamard_k).view(s, b, -1))
+        if self.rope_dim == 0 and not hadamard_q:
             return q, k
-        if q.dtype != k.dtype:  # roles of different dtypes: no common tensor
-            return self._rotate(q, rotary_fn, hadamard), self._rotate(k.view(s, b, 1, -1), rotary_fn, hadamard).view(s, b, -1)
-        qk = self._rotate(torch.cat([q, k.unsqueeze(2)], dim=2), rotary_fn, hadamard)
+        qk = self._rotate(torch.cat([q, k.unsqueeze(2)], dim=2), rotary_fn, hadamard_q)
         q, k = qk.split([self.n_heads, 1], dim=2)
         return q.contiguous(), k.squeeze(2).contiguous()
 
@@ -384,7 +389,10 @@ class DSAIndexer(MegatronModule):
 
         q = project.qk(self.linear_wq_b, q_latent).view(s, b, self.n_heads, self.head_dim)
         k = self._k_norm(project.qk(self.linear_wk, hidden), numerics.k_norm_fp32)
-        q, k = self._rotate_qk(q, k, rotary_fn, cfg.dsa_indexer_rotate_activation and quant is None)
+        # Hadamard of the queries and the scored keys: token keys for kpool = 1, pooled keys (after
+        # pooling, index_keys) for kpool > 1; under index_quant the quantizer's Hadamard instead.
+        hadamard = cfg.dsa_indexer_rotate_activation and quant is None
+        q, k = self._rotate_qk(q, k, rotary_fn, hadamard, hadamard and self.kpool == 1)
         k = gather_sequence(k, self.cp_group)  # [s_kv, b, head_dim], the whole row
         scale = self.n_heads**-0.5 * self.head_dim**-0.5
         if self.kpool > 1:
@@ -406,7 +414,8 @@ class DSAIndexer(MegatronModule):
         for row in range(b):
             row_keys = k[:, row]
             if self.kpool > 1:
-                row_keys = pool_keys(row_keys, gate[:, row], self.index_kpool_compress_ape, layout)
+                row_keys = index_keys(row_keys, gate[:, row], self.index_kpool_compress_ape, layout,
+                                      rotate=hadamard)
             indices.append(
                 kpool_select(
                     q_scored[:, row],

@@ -5,9 +5,13 @@ tokens ``j*kpool .. j*kpool + kpool - 1``; its key is a gated softmax mixture of
 
     pk[j, d] = sum_m softmax_m(g[t_m, d] + ape[m, d]) * k[t_m, d]          (FP32, stored in k.dtype)
 
+With ``dsa_indexer_rotate_activation`` the pooled keys and the queries are Hadamard-rotated after
+pooling (:func:`index_keys`); the token keys are pooled unrotated.
+
 A query at document-local position ``p`` sees the complete pools ``j < (p + 1) // kpool``, scores
 them like token keys, keeps the ``topk // kpool`` best (ties -> lower pool index), expands every
-pool, in ascending pool order, to its ``kpool`` tokens and pads with -1 up to ``topk`` entries.
+pool, in ascending pool order, to its ``kpool`` tokens and pads with -1 up to ``topk`` entries
+(a query that sees no pool, e.g. in a document shorter than ``kpool``, gets only -1 pools).
 With ``always_select_tail`` the tokens of the query's incomplete pool,
 ``((p + 1) // kpool) * kpool .. p``, are appended (-1 padded to ``kpool - 1`` slots). Packed
 sequences restart pooling at every document start. ``kpool == 1`` is plain DSA.
@@ -29,6 +33,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from kpool_layers.hadamard import rotate_activation
 from kpool_layers.topk import ascending_selection, index_scores, score_dtype, topk_lower_index_ties
 
 
@@ -123,8 +128,22 @@ def pool_keys(k: Tensor, gate: Tensor, ape: Tensor, layout: PoolLayout) -> Tenso
     return (mix * k[slots].to(dtype)).sum(dim=1).to(k.dtype)
 
 
+def index_keys(k: Tensor, gate: Tensor, ape: Tensor, layout: PoolLayout, *, rotate: bool) -> Tensor:
+    """The keys the indexer scores, [n_pools, d] in ``k.dtype``: :func:`pool_keys` of the token keys
+    ``k [t, d]`` (``k`` itself for ``kpool == 1``), then with ``rotate`` the Hadamard rotation
+    :func:`kpool_layers.hadamard.rotate_activation` of every pooled key. Pool first, rotate second,
+    as upstream Megatron-LM's KPool indexer and SGLang's pooled-key write do: the pooling weights
+    are per channel, so rotating the token keys before pooling would score other keys. Zero pools
+    give ``[0, d]``. Differentiable."""
+    keys = k if layout.kpool == 1 else pool_keys(k, gate, ape, layout)
+    return rotate_activation(keys) if rotate else keys
+
+
 def expand_pools(pools: Tensor, layout: PoolLayout) -> Tensor:
-    """Pool indices [t_q, P] (-1 = none) -> their token indices [t_q, P * kpool] (-1 = none)."""
+    """Pool indices [t_q, P] (-1 = none) -> their token indices [t_q, P * kpool] (-1 = none).
+    A layout without pools (every document shorter than ``kpool``) has only -1 pools: all -1."""
+    if layout.n_pools == 0:
+        return pools.new_full((*pools.shape[:-1], pools.shape[-1] * layout.kpool), -1)
     slot = torch.arange(layout.kpool, device=pools.device)
     tokens = layout.pool_start[pools.clamp_min(0)][..., None] + slot  # [t, P, kpool]
     tokens = torch.where(pools[..., None] >= 0, tokens, -1)
@@ -157,6 +176,7 @@ def kpool_topk(
     always_select_tail: bool,
     relu: bool,
     cu_seqlens: Optional[Tensor] = None,
+    rotate: bool = False,
 ) -> Tensor:
     """Reference KPool selection (the contract serving engines implement), unchunked.
 
@@ -171,14 +191,18 @@ def kpool_topk(
         always_select_tail: append the query's incomplete pool (``kpool - 1`` slots).
         relu: ReLU on ``q . k`` before weighting.
         cu_seqlens: int [n_docs + 1] packed document boundaries; None = one document.
+        rotate: ``dsa_indexer_rotate_activation``: Hadamard-rotate the queries and the pooled keys
+            (after pooling, :func:`index_keys`); ``q`` and ``k`` are given unrotated.
 
     Returns:
         int64 [t, topk (+ kpool - 1)]: the selected pools' token indices in ascending order, -1
-        padded, then the tail; -1 = empty.
+        padded, then the tail; -1 = empty. Rows (or whole calls) without a visible pool get -1
+        pools and their tail.
     """
     with torch.no_grad():
         layout = pool_layout(q.shape[0], kpool, cu_seqlens, device=q.device)
-        keys = k if kpool == 1 else pool_keys(k, gate, ape, layout)
+        keys = index_keys(k, gate, ape, layout, rotate=rotate)
+        q = rotate_activation(q) if rotate else q
         scores = index_scores(q, keys, weights, relu=relu)  # [t, n_pools]
         cols = torch.arange(layout.n_pools, device=q.device)
         visible = (cols >= layout.query_lo[:, None]) & (cols < layout.query_hi[:, None])

@@ -11,8 +11,9 @@ Facts of the HF reference implementation (transformers 5.24) that are not config
 the indexer applies interleaved rope to its first ``qk_rope_head_dim`` channels (glm_moe_dsa;
 glm5_next's indexer has no rope), scores with ReLU, and normalises its key with a LayerNorm of
 eps 1e-6; neither applies a Hadamard rotation to the index queries and keys (glm5_next pools the
-unrotated keys); glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the
-router is sigmoid + ``e_score_correction_bias`` with FP32 logits.
+unrotated keys; our rotation acts after pooling, so it changes the scores only by rounding);
+glm_moe_dsa's MLA latent norms use eps 1e-6 whatever ``rms_norm_eps``; the router is sigmoid +
+``e_score_correction_bias`` with FP32 logits.
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         **_index_share(hf, layers),
         "dsa_indexer_rope_interleaved": hf["model_type"] == "glm_moe_dsa",
         "dsa_indexer_scoring_relu": True,
-        # transformers never rotates. The Hadamard leaves kpool = 1 scores unchanged (orthonormal), but
-        # KPool pools per channel, so rotating before pooling would be another model (docs/hf_interop.md).
-        "dsa_indexer_rotate_activation": kpool == 1,
+        # transformers never rotates; upstream Megatron-LM and the serving engines rotate q and the
+        # scored keys (for KPool the pooled keys, after pooling). The Hadamard is orthonormal, so
+        # the scores are transformers' up to rounding for every kpool (docs/hf_interop.md).
+        "dsa_indexer_rotate_activation": True,
         "dsa_indexer_k_norm_epsilon": INDEXER_K_NORM_EPS,
         "dsa_indexer_kpool": kpool,
         "dsa_indexer_kpool_always_select_tail": bool(hf.get("index_kpool_always_select_tail", False)) and kpool > 1,

@@ -16,7 +16,9 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer  # noqa: E402
 
 from kpool_layers.config import GLMTransformerConfig  # noqa: E402
+from kpool_layers.hadamard import rotate_activation  # noqa: E402
 from kpool_layers.indexer import DSAIndexer, ScoredSelection  # noqa: E402
+from kpool_layers.kpool import kpool_topk  # noqa: E402
 from recipes.hf_config import model_config_from_hf  # noqa: E402
 from recipes.hf_mapping import layer_maps  # noqa: E402
 
@@ -111,22 +113,33 @@ def test_selection_matches_transformers(single_rank_parallel_state, kpool: int, 
     assert ties == 0  # measured 0 for every kpool / tail: random float32 scores do not tie
 
 
-def test_rotating_before_pooling_is_another_model(single_rank_parallel_state) -> None:
-    """Documents why the import derives ``dsa_indexer_rotate_activation: false`` for KPool models:
-    transformers pools the unrotated token keys, and our contract (docs/kpool.md) pools the keys
-    after the optional Hadamard; the per-channel softmax does not commute with the rotation, so with
-    it on (the schema default, e.g. ``conf/model/glm5_kpool.yaml``) selections differ."""
+def test_rotation_after_pooling_keeps_the_selection(single_rank_parallel_state) -> None:
+    """Rotation placement. The import derives ``dsa_indexer_rotate_activation: true`` (upstream
+    Megatron-LM and SGLang rotate): the Hadamard acts on the queries and on the pooled keys, after
+    pooling, where it is orthonormal, so the selections equal transformers' (which never rotates)
+    up to boundary ties, as they do with the rotation off. Rotating the token keys before pooling
+    (an order this code once used) is another model: the per-channel softmax pooling does not
+    commute with the rotation, and selections differ."""
     hf, hf_cfg = hf_indexer(4, True, seed=3)
     ours = our_indexer(hf, hf_cfg)
-    assert not ours.config.dsa_indexer_rotate_activation
+    assert ours.config.dsa_indexer_rotate_activation
     seq = 67
-    hidden, q_resid = torch.randn(1, seq, HIDDEN), torch.randn(1, seq, Q_LORA)
+    g = torch.Generator().manual_seed(5)
+    hidden, q_resid = torch.randn(1, seq, HIDDEN, generator=g), torch.randn(1, seq, Q_LORA, generator=g)
     with torch.no_grad():
         ref = hf(hidden, q_resid, torch.ones(1, seq, dtype=torch.bool), cache=None).long()[0]
-        plain = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1)).topk_indices[0]
-        ours.config.dsa_indexer_rotate_activation = True
-        rotated = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1)).topk_indices[0]
-    same = [set(a.tolist()) == set(b.tolist()) for a, b in zip(plain, ref)]
-    differ = sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(rotated, ref))
-    print(f"rotate_activation=True: {differ} of {seq} queries select other tokens than transformers")
-    assert all(same) and differ > 0
+        out = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1))
+        scores = ScoredSelection.of(out, ours.numerics).scores(0, relu=True, chunk_size=seq)
+        ours.config.dsa_indexer_rotate_activation = False
+        plain = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1))
+        plain_scores = ScoredSelection.of(plain, ours.numerics).scores(0, relu=True, chunk_size=seq)
+        # The other order: rotate q and the token keys, then pool.
+        q = rotate_activation(ours.linear_wq_b(q_resid[0]).view(seq, HEADS, HEAD_DIM))
+        k = rotate_activation(ours.k_norm(ours.linear_wk(hidden[0])))
+        before = kpool_topk(q, k, ours.index_kpool_compress_gate(hidden[0]), ours.index_kpool_compress_ape,
+                            out.weights[:, 0], kpool=4, topk=16, always_select_tail=True, relu=True)
+    assert compare(out.topk_indices[0], ref, scores, 4, 16) == 0  # measured: no boundary tie
+    assert compare(plain.topk_indices[0], ref, plain_scores, 4, 16) == 0
+    differ = sum(set(a.tolist()) != set(b.tolist()) for a, b in zip(before, ref))
+    print(f"rotation before pooling: {differ} of {seq} queries select other tokens than transformers")
+    assert differ > 0

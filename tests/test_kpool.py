@@ -112,12 +112,12 @@ def test_kpool_one_is_plain_dsa(relu: bool) -> None:
     assert torch.equal(pool_keys(k, gate, ape, layout), k)  # one slot: the token key, bit for bit
 
 
-def _layer_inputs(indexer: DSAIndexer, hidden: torch.Tensor):
-    """Token keys and gate logits recomputed from the layer's submodules (NoPE, rotation on)."""
-    from kpool_layers.hadamard import rotate_activation
-
-    k = rotate_activation(indexer.k_norm(indexer.linear_wk(hidden)))
-    return k, indexer.index_kpool_compress_gate(hidden)
+def _layer_inputs(indexer: DSAIndexer, hidden: torch.Tensor, latent: torch.Tensor):
+    """Unrotated index queries, token keys and gate logits recomputed from the layer's submodules
+    (NoPE; the rotation, which is on, is left to ``kpool_topk(rotate=True)``: after pooling)."""
+    q = indexer.linear_wq_b(latent).view(latent.shape[0], indexer.n_heads, indexer.head_dim)
+    k = indexer.k_norm(indexer.linear_wk(hidden))
+    return q, k, indexer.index_kpool_compress_gate(hidden)
 
 
 @pytest.mark.parametrize("tail", [False, True])
@@ -133,10 +133,11 @@ def test_layer_indices_equal_kpool_topk(single_rank_parallel_state, tail: bool) 
     cu = torch.tensor([0, 1, 8, 19], dtype=torch.int32)
     hidden, latent = torch.randn(19, 1, 16), torch.randn(19, 1, 8)
     out = indexer(hidden, latent, cu_seqlens=cu)
-    k, gate = _layer_inputs(indexer, hidden[:, 0])
+    assert cfg.dsa_indexer_rotate_activation
+    q, k, gate = _layer_inputs(indexer, hidden[:, 0], latent[:, 0])
     expected = kpool_topk(
-        out.q[:, 0], k, gate, indexer.index_kpool_compress_ape, out.weights[:, 0], kpool=2, topk=4,
-        always_select_tail=tail, relu=cfg.dsa_indexer_scoring_relu, cu_seqlens=cu,
+        q, k, gate, indexer.index_kpool_compress_ape, out.weights[:, 0], kpool=2, topk=4,
+        always_select_tail=tail, relu=cfg.dsa_indexer_scoring_relu, cu_seqlens=cu, rotate=True,
     )
     assert out.topk_indices.shape == (1, 19, cfg.dsa_indexer_output_width)
     assert torch.equal(out.topk_indices[0], expected)
