@@ -8,7 +8,7 @@ import struct
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
 
 # ----------------------------------------------------------------------------------------------
 # Independent reference: Python floats, frexp/ldexp rounding, explicit Hadamard matrix.

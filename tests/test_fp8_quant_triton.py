@@ -1,5 +1,5 @@
 """The fused Triton FP8 quantization (``kpool_layers.kernels.fp8_quant_triton``) against the
-reference ``kpool_layers.fp8.quantize``: same e4m3 bytes and FP32 scales for every recipe,
+reference ``kpool_layers.precision.fp8.quantize``: same e4m3 bytes and FP32 scales for every recipe,
 operand and scale format, on ragged shapes and edge values.
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
     one fed by the reference quantization bit for bit."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kpool_layers import precision
+    from kpool_layers.precision import policy as precision
     from kpool_layers.kernels import fp8_quant_triton as fused
 
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
@@ -101,7 +101,7 @@ def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
 
 
 def test_torch_backend_uses_the_fused_kernel_only_on_cuda():
-    from kpool_layers.precision import quantizer
+    from kpool_layers.precision.policy import quantizer
 
     assert quantizer("torch", torch.zeros(1)) is fp8.quantize
     assert quantizer("emulate", torch.zeros(1)) is fp8.quantize

@@ -52,13 +52,13 @@ def _grads(layer) -> dict[str, torch.Tensor]:  # noqa: ANN001
 def _worker(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from kpool_layers.grouped_experts import GroupedExperts
+    from kpool_layers.moe.experts import GroupedExperts
     from tests.test_grouped_experts import _leaves
 
     dist.init_process_group("gloo", rank=rank, world_size=2)

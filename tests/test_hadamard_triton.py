@@ -1,5 +1,5 @@
 """The Triton Hadamard kernel (``kpool_layers.kernels.hadamard_triton``) against the torch butterfly
-(``kpool_layers.hadamard.hadamard_butterfly``): the same bits, signed zeros included, forward and
+(``kpool_layers.precision.hadamard.hadamard_butterfly``): the same bits, signed zeros included, forward and
 gradient (autograd of the butterfly), for fp32 / bf16 / fp16.
 
 On CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers.hadamard import hadamard_butterfly, hadamard_transform
+from kpool_layers.precision.hadamard import hadamard_butterfly, hadamard_transform
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,7 +204,7 @@ def test_serving_index_quant_is_unchanged_by_the_kernel(monkeypatch):
     """``fp8.serving_index_quant``'s torch code (FP32 Hadamard of BF16-rounded values) gives the bits
     of the butterfly with the kernel. Its fused kernel (``tests/test_serving_quant_triton.py``) is
     turned off here, so that the Hadamard kernel is what runs."""
-    from kpool_layers import fp8
+    from kpool_layers.precision import fp8
     from kpool_layers.kernels import serving_quant_triton
 
     monkeypatch.setattr(serving_quant_triton, "supports", lambda x: False)

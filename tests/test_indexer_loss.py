@@ -11,9 +11,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa_masking import
     generate_varlen_mask_params,
 )
 
-from kpool_layers.indexer import DSAIndexer
-from kpool_layers.indexer_loss import indexer_kl_loss
-from kpool_layers.topk import index_scores
+from kpool_layers.dsa.indexer import DSAIndexer
+from kpool_layers.dsa.indexer_loss import indexer_kl_loss
+from kpool_layers.dsa.topk import index_scores
 from tests.test_indexer import tiny_config
 
 SCALE = 0.4

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kpool_layers.rope import Rotary
+from kpool_layers.mla.rope import Rotary
 from tests.op_counts import OwnOps
 from tests.test_attention import build, tiny_config
 

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from kpool_layers import fp8, precision
-from kpool_layers.precision import PrecisionPolicy, Role
-from recipes.precision_setup import profile_policy
+from kpool_layers.precision import fp8, policy as precision
+from kpool_layers.precision.policy import PrecisionPolicy, Role
+from recipes.observe.precision_map import profile_policy
 
 ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
 MLA = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.kv_up", "mla.out"}
@@ -145,7 +145,7 @@ def _toy(policy: PrecisionPolicy) -> torch.nn.ModuleDict:
     """Role-tagged duplicated linears of a BF16 model under ``policy`` (seeded weights)."""
     from types import SimpleNamespace
 
-    from kpool_layers.linears import RoleDuplicatedLinear
+    from kpool_layers.precision.linears import RoleDuplicatedLinear
 
     config = SimpleNamespace(precision=policy, params_dtype=torch.bfloat16, use_cpu_initialization=True,
                              perform_initialization=True)
@@ -198,7 +198,7 @@ def _megatron_config(policy: PrecisionPolicy):
 def _parallel_linear(kind: str, config, role: str | None = None):  # noqa: ANN001, ANN202
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
+    from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear
 
     init = torch.nn.init.xavier_normal_
     torch.manual_seed(3)

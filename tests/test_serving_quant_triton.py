@@ -1,5 +1,5 @@
 """The fused serving index quantization (``kpool_layers.kernels.serving_quant_triton``) against the
-torch reference ``kpool_layers.fp8.serving_index_quant``: the same values, dtype and shape for both
+torch reference ``kpool_layers.precision.fp8.serving_index_quant``: the same values, dtype and shape for both
 scale formats, every power-of-two ``d`` up to 128 and fp32 / bf16 / fp16 inputs.
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
@@ -31,9 +31,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
 from kpool_layers.kernels import hadamard_triton
-from kpool_layers.hadamard import hadamard_butterfly
+from kpool_layers.precision.hadamard import hadamard_butterfly
 
 ROOT = Path(__file__).resolve().parents[1]
 DS = (1, 2, 4, 8, 16, 32, 64, 128)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kpool_layers.sparse_attention import sparse_mla_attention
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
 
 def dense_masked_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,

@@ -1,4 +1,4 @@
-"""kpool_layers.token_dispatch: megatron's allgather token dispatch for local experts without host
+"""kpool_layers.moe.layer: megatron's allgather token dispatch for local experts without host
 synchronisations, and the same MoE layer output and gradients as megatron's."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.token_dispatch import GLMMoELayer, LocalTokenDispatcher
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.moe.layer import GLMMoELayer, LocalTokenDispatcher
 
 HIDDEN, EXPERTS, TOPK = 16, 6, 2
 

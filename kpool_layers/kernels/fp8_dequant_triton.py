@@ -1,7 +1,7 @@
 """Fused FP8 (e4m3) dequantization: ``float32(q) * scale`` and the rounding to the output dtype of
 one operand in one Triton kernel (the straight-through backward of the FP8 linears).
 
-:func:`dequantize` has the contract of :func:`kpool_layers.fp8.dequantize` (the reference, eager:
+:func:`dequantize` has the contract of :func:`kpool_layers.precision.fp8.dequantize` (the reference, eager:
 an FP32 copy, a multiply by the tile-expanded scales and a cast, each one kernel or more) and
 returns the same bits: every element is ``float32(q) * s`` (exact widening, one IEEE FP32
 multiply) rounded once to ``out_dtype`` (round to nearest even, torch's ``.to`` and Triton's
@@ -10,7 +10,7 @@ conversion on the GPU; Triton's interpreter truncates FP32 -> BF16, so the CPU t
 
 Layouts: ``q [..., K]`` float8_e4m3fn (leading dims flattened into rows ``M``; ``[N, K]`` for a
 weight) and ``scale`` FP32 ``[ceil(M / tile rows), ceil(K / tile cols)]`` as
-:func:`kpool_layers.fp8.quantize` returns them: blockwise 1x128 (activation) / 128x128 (weight),
+:func:`kpool_layers.precision.fp8.quantize` returns them: blockwise 1x128 (activation) / 128x128 (weight),
 rowwise 1xK (``[M, 1]``), tensorwise MxK (``[1, 1]``); returns ``out_dtype`` with ``q``'s shape.
 
 Programs own ``BLOCK_M`` rows of one ``BLOCK_K = 128``-column block, which is one blockwise scale
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
 
 BLOCK_M = 32
 """Rows per program."""
@@ -59,7 +59,7 @@ def dequantize(
     operand: fp8.Operand,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """:func:`kpool_layers.fp8.dequantize` ``(q, scale, recipe, operand, out_dtype)`` in one kernel
+    """:func:`kpool_layers.precision.fp8.dequantize` ``(q, scale, recipe, operand, out_dtype)`` in one kernel
     on a CUDA tensor (or under ``TRITON_INTERPRET=1``): the same bits (module docstring)."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; allowed: {list(OUT_DTYPES)}")

@@ -9,7 +9,7 @@ expert):
 * ``x_q [T, K]`` float8_e4m3fn, rows of expert ``e`` contiguous and in expert order,
   ``tokens_per_expert [E]`` rows each (any integer dtype; empty experts allowed; on the host, as
   megatron's dispatchers give it, it is copied to the device, no device synchronisation);
-  ``x_s`` its FP32 scales as :func:`kpool_layers.fp8.quantize` gives them for ``operand=
+  ``x_s`` its FP32 scales as :func:`kpool_layers.precision.fp8.quantize` gives them for ``operand=
   "activation"``: ``[T, ceil(K / 128)]`` (blockwise, 1x128 tiles) or ``[T, 1]`` (rowwise);
 * ``w_q [E, N, K]`` float8_e4m3fn (``nn.Linear`` layout per expert), ``w_s`` the per-expert weight
   scales: ``[E, N / 128, ceil(K / 128)]`` (blockwise, 128x128 blocks; ``N`` a multiple of 128 so
@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers import fp8
-from kpool_layers.device_copy import to_device
+from kpool_layers.precision import fp8
+from kpool_layers.compat.device_copy import to_device
 
 BLOCK_K = fp8.BLOCK
 

@@ -1,7 +1,7 @@
 """Fused FP8 (e4m3) quantization: amax, scale and cast of one operand in one Triton kernel (two for
 the tensorwise recipe, whose scale needs the whole tensor's amax first).
 
-:func:`quantize` has the contract and the numerics of :func:`kpool_layers.fp8.quantize` (the
+:func:`quantize` has the contract and the numerics of :func:`kpool_layers.precision.fp8.quantize` (the
 reference, used by the ``emulate`` backend) and returns the same bytes and scales:
 
 * scale ``s`` of a tile with absolute maximum ``a``: ``r = max(a, 1e-4) / 448`` (IEEE division),
@@ -10,7 +10,7 @@ reference, used by the ``emulate`` backend) and returns the same bytes and scale
   approximations could round ``log2`` differently next to an integer). Under
   ``TRITON_INTERPRET=1`` (CPU tests) they are numpy's, compared against torch's CPU ones;
 * ``q = e4m3(clamp(x / s, -448, 448))``: FP32 IEEE division, round to nearest even;
-* tiles as :func:`kpool_layers.fp8.quantize`: blockwise 1x128 (activation) / 128x128 (weight),
+* tiles as :func:`kpool_layers.precision.fp8.quantize`: blockwise 1x128 (activation) / 128x128 (weight),
   rowwise 1xK, tensorwise MxK; partial edge tiles use the amax of their own elements.
 
 Layouts: ``x [..., K]`` (activation; leading dims flattened into rows ``M``) or ``[N, K]``
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
 
 ROW, TILE, AMAX, GLOBAL = 0, 1, 2, 3
 
@@ -104,7 +104,7 @@ def quantize(
     scale_format: fp8.ScaleFormat = "ue8m0",
     out_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kpool_layers.fp8.quantize` in one fused kernel (two for ``tensorwise``) on a CUDA
+    """:func:`kpool_layers.precision.fp8.quantize` in one fused kernel (two for ``tensorwise``) on a CUDA
     tensor (or under ``TRITON_INTERPRET=1``): same ``(q, scale)`` bytes and values.
 
     ``out_dtype=torch.float32`` returns ``clamp(x / s, -448, 448)`` before the e4m3 rounding

@@ -39,8 +39,8 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton  # noqa: E402
-from kpool_layers.kpool import pool_keys, pool_layout  # noqa: E402
-from kpool_layers.topk import chunked_range_topk  # noqa: E402
+from kpool_layers.dsa.kpool import pool_keys, pool_layout  # noqa: E402
+from kpool_layers.dsa.topk import chunked_range_topk  # noqa: E402
 
 HEADS, DIM, TOPK = 32, 128, 2048
 DEVICE = "cuda"
