@@ -50,7 +50,8 @@ from recipes.observe.precision_map import kernel_rows, precision_map, report_pre
 from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.plan.preflight import preflight
 from recipes.launch.result import RunResult
-from recipes.config.schema import Config, CudaGraphImpl, validate
+from recipes.config.schema import Config, CudaGraphImpl
+from recipes.config.rules import validate
 from recipes.config.typed import plain, to_config
 
 

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from kpool_layers.compat import cpu as _cpu# noqa: E402
+from kpool_layers.compat import cpu as _cpu  # noqa: E402
 from recipes.hf.config import hf_config_from_model, model_config_from_hf  # noqa: E402
 from recipes.hf.io import (  # noqa: E402
     HFReader,

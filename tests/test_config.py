@@ -16,7 +16,8 @@ from kpool_layers.mla.attention import IndexerLossAutoScaler
 from recipes.launch.distributed import register_resolvers
 from recipes.config.megatron import to_transformer_config
 from recipes.config.keys import UnknownKeyError, check_overrides
-from recipes.config.schema import ConfigError, numeric_fields, register_configs, validate
+from recipes.config.schema import ConfigError, numeric_fields, register_configs
+from recipes.config.rules import validate
 from recipes.config.typed import to_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -12,7 +12,8 @@ import torch
 
 import recipes.train.cuda_graph as cuda_graph
 from recipes.config.megatron import to_transformer_config
-from recipes.config.schema import ConfigError, CudaGraphImpl, TrainConfig, all_problems, validate
+from recipes.config.schema import ConfigError, CudaGraphImpl, TrainConfig
+from recipes.config.rules import all_problems, validate
 from recipes.config.typed import to_config
 from tests.test_config import _compose
 from tests.train_runner import metrics, run_train

@@ -16,7 +16,8 @@ from kpool_layers.kernels.tilelang_dsa import (TILELANG_SLOT_BLOCK, sparse_mla_t
                                                valid_indices)
 from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 from recipes.launch.distributed import register_resolvers
-from recipes.config.schema import ConfigError, register_configs, validate
+from recipes.config.schema import ConfigError, register_configs
+from recipes.config.rules import validate
 from tests.test_attention import build, tiny_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

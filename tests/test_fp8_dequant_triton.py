@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kpool_layers.precision import fp8, policy as precision
+from kpool_layers.precision import fp8_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,8 @@ def compare(device: str, out_dtypes: tuple[torch.dtype, ...]) -> None:
     from kpool_layers.kernels import fp8_dequant_triton as fused
 
     for name, x, operand in cases(device):
-        for recipe in fp8.RECIPES:
-            for scale_format in fp8.SCALE_FORMATS:
+        for recipe in fp8_format.RECIPES:
+            for scale_format in fp8_format.SCALE_FORMATS:
                 q, s = fp8.quantize(x, recipe, operand, scale_format)
                 for out_dtype in out_dtypes:
                     ref = fp8.dequantize(q, s, recipe, operand).to(out_dtype)
@@ -114,7 +115,7 @@ def matmul_grads(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, recipe: str
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_quantized_matmul_gradients_equal_the_eager_dequantization(monkeypatch, recipe, dtype):
     """``_QuantizedMatmul``'s backward with the fused dequantization gives the gradients of the

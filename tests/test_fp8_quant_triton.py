@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,8 @@ def compare(device: str) -> None:
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     for name, x, operand in cases(device):
-        for recipe in fp8.RECIPES:
-            for scale_format in fp8.SCALE_FORMATS:
+        for recipe in fp8_format.RECIPES:
+            for scale_format in fp8_format.SCALE_FORMATS:
                 ref_q, ref_s = fp8.quantize(x, recipe, operand, scale_format)
                 if interpreted:
                     q, s = fused.quantize(x, recipe, operand, scale_format, out_dtype=torch.float32)
@@ -59,6 +60,13 @@ def compare(device: str) -> None:
                 assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, where
                 assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), where
                 assert s.dtype == torch.float32 and torch.equal(s, ref_s), where
+    for shape, operand in (((0, 200), "activation"), ((2, 0, 128), "activation"), ((0, 200), "weight")):
+        x = torch.zeros(shape, device=device)  # no rows: no kernel runs, the shapes still hold
+        for recipe in fp8_format.RECIPES:
+            ref_q, ref_s = fp8.quantize(x, recipe, operand)
+            q, s = fused.quantize(x, recipe, operand)
+            where = f"empty {shape} {operand} {recipe}"
+            assert (q.dtype, q.shape, s.dtype, s.shape) == (ref_q.dtype, ref_q.shape, ref_s.dtype, ref_s.shape), where
     print("fused == reference")
 
 
@@ -77,7 +85,7 @@ def test_fused_quantize_matches_reference_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
     """One kernel per operand (two for tensorwise), and the torch backend's FP8 GEMM equals the
     one fed by the reference quantization bit for bit."""

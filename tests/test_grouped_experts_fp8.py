@@ -111,7 +111,7 @@ def test_fp8_profiles_build_grouped_experts_and_map_their_roles(single_rank_para
     from recipes.config.megatron import grouped_experts, to_transformer_config
     from recipes.train.model import build_gpt_model
     from recipes.observe.precision_map import precision_map, profile_policy
-    from recipes.config.schema import validate
+    from recipes.config.rules import validate
     from tests.test_precision_profiles import _compose
 
     for profile in ("fp8", "serving_match"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kpool_layers.precision import fp8, policy as precision
+from kpool_layers.precision import fp8_format
 from kpool_layers.precision.policy import PrecisionPolicy, Role
 from recipes.observe.precision_map import profile_policy
 
@@ -80,7 +81,7 @@ def test_backend_resolution(monkeypatch):
     assert precision.resolve_backend(PrecisionPolicy(fp8=True)) == "torch"
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_emulate_forward_matches_quantize_dequantize(recipe):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5, 256, generator=g), torch.randn(192, 256, generator=g) * 0.05
@@ -92,7 +93,7 @@ def test_emulate_forward_matches_quantize_dequantize(recipe):
     assert not torch.equal(y, x @ w.t())  # quantization really happened
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_close_to_unquantized(recipe, dtype):
     g = torch.Generator().manual_seed(1)
@@ -121,7 +122,7 @@ def test_backward_is_straight_through():
     torch.testing.assert_close(w.grad, gy.t() @ fp8.emulate(x.detach(), "blockwise", "activation"), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_zero_rows_give_empty_output_and_zero_weight_grad(recipe):
     # An MoE expert that receives no tokens runs its linears on [0, K] inputs.
     x = torch.zeros(0, 200, dtype=torch.bfloat16, requires_grad=True)
@@ -244,7 +245,7 @@ def test_role_linear_refuses_what_its_gemm_does_not_do(single_rank_parallel_stat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize(
     "m,k,n",
     [(200, 512, 768), (37, 2048, 576), (64, 2048, 32), (5, 200, 40), (0, 2048, 1024)],

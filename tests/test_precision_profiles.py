@@ -15,8 +15,8 @@ from hydra import compose, initialize_config_dir
 
 from kpool_layers.precision import fp8
 from kpool_layers.mla.attention import KV_UP_NOTE
-from kpool_layers.dsa.indexer import (DSAIndexer, IndexerNumerics, PlainProjections, RoutedProjections,
-                                  ScoredSelection)
+from kpool_layers.dsa.indexer import DSAIndexer, ScoredSelection
+from kpool_layers.dsa.numerics import IndexerNumerics, PlainProjections, RoutedProjections, indexer_numerics
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
 from kpool_layers.precision.policy import PrecisionPolicy
 from kpool_layers.dsa.topk import ascending_selection, topk_lower_index_ties
@@ -25,7 +25,8 @@ from recipes.observe.drift import DriftMonitor, reference_numerics
 from recipes.config.megatron import to_transformer_config
 from recipes.train.model import build_gpt_model
 from recipes.observe.precision_map import PROFILES_DIR, precision_map, profile_policy
-from recipes.config.schema import ConfigError, register_configs, validate
+from recipes.config.schema import ConfigError, register_configs
+from recipes.config.rules import validate
 from recipes.config.typed import to_config
 from tests.test_indexer import tiny_config
 
@@ -248,5 +249,5 @@ def test_drift_references_are_the_profiles_numerics():
                                                               index_quant=None)
     assert reference_numerics("fp32", run) == IndexerNumerics(PlainProjections(fp32, fp32), k_norm_fp32=True,
                                                               index_quant=None)
-    assert profile_policy("serving_match").indexer_numerics == IndexerNumerics(
+    assert indexer_numerics(profile_policy("serving_match")) == IndexerNumerics(
         PlainProjections(bf16, fp32), k_norm_fp32=True, index_quant="ue8m0")

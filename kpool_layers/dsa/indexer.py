@@ -56,6 +56,7 @@ from kpool_layers.precision.fp8 import serving_index_quant
 from kpool_layers.precision.hadamard import rotate_activation
 from kpool_layers.precision.linears import RoleDuplicatedLinear, computed_by_owner, role_spec
 from kpool_layers.dsa.kpool import PoolLayout, kpool_select, pool_keys, pool_layout
+from kpool_layers.dsa.numerics import IndexerNumerics, RoutedProjections, indexer_numerics
 from kpool_layers.precision.policy import Role
 from kpool_layers.dsa.topk import index_scores, score_dtype
 
@@ -82,56 +83,6 @@ class IndexerOutput:
 # --- precision: the numerics an indexer computation runs under, and what a selection scored ---
 
 
-@dataclass(frozen=True)
-class RoutedProjections:
-    """The q / k / head-weights projections and the KPool gate run their role-tagged linears'
-    forwards (:mod:`kpool_layers.precision.linears`: FP8, or the role's dtype, as the policy says): the
-    training path."""
-
-    def qk(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``linear(x)``: ``x [..., n_in]`` -> ``[..., n_out]`` (q / k projection, KPool gate)."""
-        return linear(x)
-
-    def weights(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``linear(x)``: ``x [..., hidden]`` -> ``[..., n_heads]`` (head weights, ``kpool == 1``)."""
-        return linear(x)
-
-
-@dataclass(frozen=True)
-class PlainProjections:
-    """The projections as unquantized GEMMs ``x @ w.T`` in a given dtype (input and weight cast;
-    the same GEMM a role-tagged linear computes for an unquantized role), bypassing the linears'
-    own numerics: the drift reference.
-
-    ``qk_dtype``: q / k projections and KPool gate; ``weights_dtype``: head-weights projection
-    (``kpool > 1`` keeps the KPool contract's FP32 GEMM whatever the numerics)."""
-
-    qk_dtype: torch.dtype
-    weights_dtype: torch.dtype
-
-    def qk(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``x [..., n_in]`` -> ``[..., n_out]`` in ``qk_dtype``."""
-        return x.to(self.qk_dtype) @ linear.weight.to(self.qk_dtype).t()
-
-    def weights(self, linear: torch.nn.Linear, x: Tensor) -> Tensor:
-        """``x [..., hidden]`` -> ``[..., n_heads]`` in ``weights_dtype``."""
-        return x.to(self.weights_dtype) @ linear.weight.to(self.weights_dtype).t()
-
-
-@dataclass(frozen=True)
-class IndexerNumerics:
-    """The numerics of one indexer computation (training or a drift reference).
-
-    ``projections``: how the linears run (:class:`RoutedProjections` = training,
-    :class:`PlainProjections` = plain GEMMs in given dtypes); ``k_norm_fp32``: key LayerNorm in
-    FP32; ``index_quant``: serving scale format (``ue8m0`` | ``amax``) to score with
-    :func:`serving_index_quant`-ed inputs, None = score the (rotated) q / keys as they are."""
-
-    projections: RoutedProjections | PlainProjections
-    k_norm_fp32: bool
-    index_quant: Optional[str]
-
-
 def training_numerics(config: GLMTransformerConfig) -> IndexerNumerics:
     """The numerics the indexer trains with: the linears' own projections, the key LayerNorm precision of
     ``config.dsa_indexer_k_norm_fp32`` (megatron's field, which the recipes derive from the
@@ -139,7 +90,7 @@ def training_numerics(config: GLMTransformerConfig) -> IndexerNumerics:
     return IndexerNumerics(
         projections=RoutedProjections(),
         k_norm_fp32=config.dsa_indexer_k_norm_fp32,
-        index_quant=config.precision.indexer_numerics.index_quant,
+        index_quant=indexer_numerics(config.precision).index_quant,
     )
 
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 
 BLOCK_M = 32
 """Rows per program."""
@@ -55,8 +55,8 @@ def _dequantize_kernel(
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
-    recipe: fp8.Recipe,
-    operand: fp8.Operand,
+    recipe: fp8_format.Recipe,
+    operand: fp8_format.Operand,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """:func:`kpool_layers.precision.fp8.dequantize` ``(q, scale, recipe, operand, out_dtype)`` in one kernel
@@ -66,7 +66,7 @@ def dequantize(
     k = q.shape[-1]
     q2 = q.reshape(-1, k)
     m = q2.shape[0]
-    tr, tc = fp8._tile_shape(recipe, operand, m, k)
+    tr, tc = fp8_format.tile_shape(recipe, operand, m, k)
     expected = (triton.cdiv(m, tr), triton.cdiv(k, tc))
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(f"scale must be FP32 {list(expected)} for a {recipe} {operand} of shape "
@@ -77,9 +77,9 @@ def dequantize(
     if q2.stride(-1) != 1:
         q2 = q2.contiguous()
     rows_scaled, cols_scaled = scale.shape[0] > 1, scale.shape[1] > 1  # cols_scaled: blockwise, tc = 128
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, fp8.BLOCK))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, fp8_format.BLOCK))
     _dequantize_kernel[grid](
         q2, scale, out, m, k, q2.stride(0), out.stride(0),
         scale.stride(0) if rows_scaled else 0, scale.stride(1) if cols_scaled else 0,
-        ROW_TILE=tr if rows_scaled else 1, BLOCK_M=BLOCK_M, BLOCK_K=fp8.BLOCK, num_warps=4)
+        ROW_TILE=tr if rows_scaled else 1, BLOCK_M=BLOCK_M, BLOCK_K=fp8_format.BLOCK, num_warps=4)
     return out.reshape(q.shape)

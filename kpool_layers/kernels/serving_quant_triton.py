@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 from kpool_layers.kernels.fp8_quant_triton import _scale
 from kpool_layers.kernels.hadamard_triton import (
     _INTERPRETED,
@@ -70,7 +70,7 @@ from kpool_layers.kernels.hadamard_triton import (
     _widen,
 )
 
-MAX_D = fp8.BLOCK
+MAX_D = fp8_format.BLOCK
 """Largest channel count (the serving index path's quantization block)."""
 
 
@@ -117,11 +117,11 @@ def supports(x: torch.Tensor) -> bool:
     return fits(x, 1, MAX_D)
 
 
-def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8.ScaleFormat = "ue8m0") -> torch.Tensor:
+def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8_format.ScaleFormat = "ue8m0") -> torch.Tensor:
     """:func:`kpool_layers.precision.fp8.serving_index_quant` ``(x, scale_format)`` in one kernel: the same
     values, dtype and shape (module docstring)."""
-    if scale_format not in fp8.SCALE_FORMATS:
-        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8.SCALE_FORMATS)}")
+    if scale_format not in fp8_format.SCALE_FORMATS:
+        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8_format.SCALE_FORMATS)}")
     x2 = as_rows(x, "serving_index_quant_triton", 1, MAX_D)
     d = x2.shape[1]
     ue8m0 = scale_format == "ue8m0"

@@ -30,9 +30,9 @@ from typing import Callable
 
 import torch
 
-from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 from kpool_layers.compat.device_copy import to_device
-from kpool_layers.precision.fp8 import Recipe
+from kpool_layers.precision.fp8_format import Recipe
 from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
 from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
 
@@ -127,7 +127,7 @@ def fused_fp8(numerics: LinearNumerics, x: torch.Tensor, w: torch.Tensor) -> boo
     (module docstring) rather than the per-expert loop."""
     return (numerics.quantized and numerics.backend == "torch" and x.is_cuda
             and numerics.policy.recipe in FP8_RECIPES
-            and (numerics.policy.recipe != Recipe.blockwise or w.shape[1] % fp8.BLOCK == 0))
+            and (numerics.policy.recipe != Recipe.blockwise or w.shape[1] % fp8_format.BLOCK == 0))
 
 
 def expert_linear(

@@ -63,48 +63,11 @@ Numerics, step by step, with sources
 
 from __future__ import annotations
 
-from enum import StrEnum
-from typing import Literal
-
 import torch
 
+from kpool_layers.precision.fp8_format import (AMAX_EPS, BLOCK, E4M3_MAX, SCALE_FORMATS, Operand, Recipe,
+                                                ScaleFormat, tile_shape)
 from kpool_layers.precision.hadamard import hadamard_transform
-
-E4M3_MAX = 448.0
-"""Largest finite ``float8_e4m3fn`` magnitude."""
-
-AMAX_EPS = 1e-4
-"""Lower bound on ``amax`` before the scale is computed (all-zero groups get a finite scale)."""
-
-BLOCK = 128
-"""Tile width of the blockwise recipe and of the serving index path."""
-
-
-class ScaleFormat(StrEnum):
-    """How a group's dequantization scale is stored (``precision.scale_format``)."""
-
-    ue8m0 = "ue8m0"
-    """A power of two (an 8-bit exponent, as DeepGEMM and the serving engines keep it)."""
-    amax = "amax"
-    """``amax / 448`` in FP32."""
-
-
-class Recipe(StrEnum):
-    """FP8 training scaling recipe (``precision.recipe``)."""
-
-    blockwise = "blockwise"
-    """1x128 activation tiles, 128x128 weight blocks."""
-    tensorwise = "tensorwise"
-    """One scale per tensor."""
-    rowwise = "rowwise"
-    """One scale per row."""
-
-
-Operand = Literal["activation", "weight"]
-
-SCALE_FORMATS: tuple[str, ...] = tuple(f.value for f in ScaleFormat)
-RECIPES: tuple[str, ...] = tuple(r.value for r in Recipe)
-OPERANDS: tuple[str, ...] = ("activation", "weight")
 
 
 def compute_scale(amax: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> torch.Tensor:
@@ -123,19 +86,6 @@ def compute_scale(amax: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> to
 def cast_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``float8_e4m3fn(clamp(x / scale, -448, 448))`` computed in FP32; ``scale`` broadcasts to ``x``."""
     return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-
-
-def _tile_shape(recipe: str, operand: str, rows: int, cols: int) -> tuple[int, int]:
-    """(tile rows, tile cols) of one scale for a ``[rows, cols]`` matrix."""
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe={recipe!r} is not supported; allowed: {list(RECIPES)}")
-    if operand not in OPERANDS:
-        raise ValueError(f"operand={operand!r} is not supported; allowed: {list(OPERANDS)}")
-    if recipe == "tensorwise":
-        return max(rows, 1), max(cols, 1)
-    if recipe == "rowwise":
-        return 1, max(cols, 1)
-    return (1, BLOCK) if operand == "activation" else (BLOCK, BLOCK)
 
 
 def _tiled(x: torch.Tensor, tile: tuple[int, int]) -> torch.Tensor:
@@ -162,7 +112,7 @@ def quantize(
         raise ValueError(f"weight operand must be 2-D [N, K], got shape {tuple(x.shape)}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    tile = _tile_shape(recipe, operand, x2.shape[0], k)
+    tile = tile_shape(recipe, operand, x2.shape[0], k)
     tiles = _tiled(x2.float(), tile)
     scale = compute_scale(tiles.abs().amax(dim=(1, 3)), scale_format)
     q = cast_e4m3(tiles, scale[:, None, :, None])
@@ -178,7 +128,7 @@ def dequantize(
     (:mod:`kpool_layers.kernels.fp8_dequant_triton`) returns the same bits."""
     k = q.shape[-1]
     q2 = q.reshape(-1, k)
-    tile = _tile_shape(recipe, operand, q2.shape[0], k)
+    tile = tile_shape(recipe, operand, q2.shape[0], k)
     tiles = _tiled(q2.float(), tile) * scale[:, None, :, None]
     out = tiles.view(tiles.shape[0] * tile[0], tiles.shape[2] * tile[1])[: q2.shape[0], :k]
     return out.to(out_dtype).reshape(q.shape)

@@ -2,7 +2,7 @@
 
 * :class:`PrecisionPolicy` - the ``precision`` config group (but ``drift``) as one frozen value:
   the model dtype, which linear *role* (:class:`Role`) runs quantized and in which dtype, and the
-  indexer's numerics (:attr:`PrecisionPolicy.indexer_numerics`). The profiles are the YAML files
+  indexer's numerics (:func:`kpool_layers.dsa.numerics.indexer_numerics`). The profiles are the YAML files
   of ``conf/precision``; the recipes build the policy once (:meth:`PrecisionPolicy.from_config`)
   and keep it on the model's config (``GLMTransformerConfig.precision``).
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
@@ -22,18 +22,15 @@ import dataclasses
 import enum
 import functools
 import typing
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from kpool_layers.precision import fp8
-from kpool_layers.precision.fp8 import Recipe, ScaleFormat
+from kpool_layers.precision import fp8_format
+from kpool_layers.precision.fp8_format import Recipe, ScaleFormat
 from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
 from kpool_layers.compat.wgrad_accumulation import accumulate_into_main_grad
-
-if TYPE_CHECKING:
-    from kpool_layers.dsa.indexer import IndexerNumerics
-
 
 class Role(str, enum.Enum):
     """The fixed set of linear roles of a GLM-5.x model."""
@@ -177,24 +174,6 @@ class PrecisionPolicy:
             return DType(self.dsa_indexer_weights_proj_dtype.value).torch_dtype
         return params_dtype
 
-    @property
-    def indexer_numerics(self) -> "IndexerNumerics":
-        """The DSA indexer's numerics under this policy, with unquantized projections (what a
-        drift reference of this profile recomputes): q/k projections in the q/k roles' dtype,
-        the head-weights projection in its role's, the key LayerNorm in FP32 when
-        ``dsa_indexer_k_norm_fp32`` or an FP32 model, and serving-quantized scoring in
-        ``scale_format`` when ``dsa_indexer_kpool_use_quantization``."""
-        from kpool_layers.dsa.indexer import IndexerNumerics, PlainProjections  # indexer -> config -> here
-
-        return IndexerNumerics(
-            projections=PlainProjections(
-                qk_dtype=self.compute_dtype(Role.INDEXER_Q, self.params_dtype),
-                weights_dtype=self.compute_dtype(Role.INDEXER_WEIGHTS, self.params_dtype),
-            ),
-            k_norm_fp32=self.dsa_indexer_k_norm_fp32 or self.dtype == DType.fp32,
-            index_quant=self.scale_format.value if self.dsa_indexer_kpool_use_quantization else None,
-        )
-
 
 def _member(kind: type[enum.Enum], key: str, value: Any) -> Any:
     """``kind``'s member of value ``value``; ``ValueError`` naming ``precision.<key>`` otherwise."""
@@ -274,7 +253,7 @@ def _scaled_mm(
     n = wq.shape[0]
     if m == 0:  # e.g. an MoE expert that received no tokens
         return xq.new_zeros((0, n), dtype=torch.bfloat16)
-    align = fp8.BLOCK if recipe == "blockwise" else 16
+    align = fp8_format.BLOCK if recipe == "blockwise" else 16
     mp, kp, np_ = _ceil(m, align), _ceil(k, align), _ceil(n, align)
     a = _pad_to(xq.contiguous(), mp, kp)
     mat_b = _pad_to(wq.contiguous(), np_, kp).t()  # column-major B [Kp, Np]
@@ -286,8 +265,8 @@ def _scaled_mm(
         out = torch._scaled_mm(a, mat_b, sa, sb, out_dtype=torch.bfloat16)
     else:
         F = torch.nn.functional
-        sa = _pad_to(xs, mp, kp // fp8.BLOCK, value=1.0).t().contiguous().t()  # [Mp, Kp/128] col-major
-        sb = _pad_to(ws, np_ // fp8.BLOCK, _ceil(kp // fp8.BLOCK, 4), value=1.0)
+        sa = _pad_to(xs, mp, kp // fp8_format.BLOCK, value=1.0).t().contiguous().t()  # [Mp, Kp/128] col-major
+        sb = _pad_to(ws, np_ // fp8_format.BLOCK, _ceil(kp // fp8_format.BLOCK, 4), value=1.0)
         out = F.scaled_mm(
             a, mat_b, sa, F.ScalingType.BlockWise1x128, sb.t(), F.ScalingType.BlockWise128x128,
             output_dtype=torch.bfloat16,

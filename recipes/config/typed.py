@@ -1,7 +1,7 @@
 """The composed config as the schema's dataclasses, and back as plain data.
 
 Hydra composes a DictConfig; the checks that need it as composed run on it (every key in the schema,
-also with ``+``/``++``, and the rules of :func:`recipes.config.schema.validate`; the checkpoint root, which
+also with ``+``/``++``, and the rules of :func:`recipes.config.rules.validate`; the checkpoint root, which
 reads ``train.save`` before interpolation, :func:`recipes.checkpoint.resume.checkpoint_root`). Then
 :func:`to_config` converts it once (``OmegaConf.to_object``: interpolations resolved, enums as
 members) into the schema's :class:`~recipes.config.schema.Config`, which every recipe after that point

@@ -34,7 +34,8 @@ from megatron.core import parallel_state as ps
 from torch.utils.hooks import RemovableHandle
 
 from kpool_layers.dsa.drift import boundary_tie_frac, reduce_drift_metrics, topk_drift
-from kpool_layers.dsa.indexer import DSAIndexer, IndexerNumerics, IndexerOutput, ScoredSelection
+from kpool_layers.dsa.indexer import DSAIndexer, IndexerOutput, ScoredSelection
+from kpool_layers.dsa.numerics import IndexerNumerics, indexer_numerics
 from kpool_layers.precision.policy import PrecisionPolicy
 from recipes.observe.precision_map import profile_policy
 from recipes.config.schema import DriftConfig, DriftReference
@@ -52,7 +53,7 @@ def reference_numerics(reference: DriftReference | str, policy: PrecisionPolicy)
     run's (``policy``'s) scale format: ``serving`` = ``serving_match`` (the emulated FP8 serving
     indexer), ``bf16`` / ``fp32`` = those profiles (no quantization)."""
     reference_policy = profile_policy(DriftReference(reference).profile)
-    return dataclasses.replace(reference_policy, scale_format=policy.scale_format).indexer_numerics
+    return indexer_numerics(dataclasses.replace(reference_policy, scale_format=policy.scale_format))
 
 
 def logged_layer_number(name: str, layer_number: int, num_layers: int) -> int:

@@ -17,7 +17,8 @@ from kpool_layers import model_facts
 from recipes.plan import memory_plan
 from recipes.config.megatron import to_transformer_config
 from recipes.observe.metrics import FlopModel
-from recipes.config.schema import Config, ConfigError, ModelConfig, all_problems
+from recipes.config.schema import Config, ConfigError, ModelConfig
+from recipes.config.rules import all_problems
 
 
 def analytic_param_count(m: ModelConfig) -> tuple[int, int]:
@@ -136,7 +137,7 @@ def dry_run(cfg: Config) -> None:
 
 def check_all(cfg: DictConfig, world_size: int) -> None:
     """Every config rule at once for the planned machine (on the composed config, as
-    :func:`recipes.config.schema.validate`); raises one :class:`ConfigError` that lists all broken rules."""
+    :func:`recipes.config.rules.validate`); raises one :class:`ConfigError` that lists all broken rules."""
     problems = all_problems(cfg, world_size)
     if len(problems) == 1:
         raise problems[0]

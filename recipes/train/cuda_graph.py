@@ -10,7 +10,7 @@ capture's output tensors, rewritten by every replay. The model-parallel RNG stre
 generators then (:func:`recipes.launch.distributed.init_model_parallel`), registered with the graph.
 
 A replay runs no Python: a step whose forward records something on the host, or reads a
-device value on the host, cannot be replayed. :func:`recipes.config.schema._validate_cuda_graph` refuses the
+device value on the host, cannot be replayed. :func:`recipes.config.rules._validate_cuda_graph` refuses the
 known cases before the build; a capture that fails anyway raises :class:`CaptureError` naming the
 key. The whole run (the build included) goes on megatron's capture stream
 (:func:`capture_stream`). Steps that must run Python (the top-k drift measurement's hooks) run eagerly with

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kpool_layers.precision import fp8# noqa: E402
+from kpool_layers.precision import fp8_format  # noqa: E402
 from kpool_layers.precision.policy import _scaled_mm, dequantizer, quantized_matmul, quantizer  # noqa: E402
 from timing import out_and_config  # noqa: E402 - sibling module (run as a script)
 
@@ -113,7 +113,7 @@ def case(m: int, k: int, n: int) -> dict[str, Any]:
     out["dequant_w"] = do_bench(lambda: dequantize(wq, ws, "blockwise", "weight", torch.bfloat16))
     out["mm_dx"] = do_bench(lambda: g @ wd)
     out["mm_dw"] = do_bench(lambda: g.t() @ xd)
-    if m % fp8.BLOCK:
+    if m % fp8_format.BLOCK:
         out["fp8_gemm_bound"] = None  # the wgrad GEMM's reduction (tokens) must tile by 128
         return out
     gq, gs = quantize(g, "blockwise", "activation")  # dgrad: g in 1x128 tiles along N

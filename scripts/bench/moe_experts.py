@@ -39,7 +39,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kpool_layers.precision import fp8# noqa: E402
+from kpool_layers.precision import fp8  # noqa: E402
+from kpool_layers.precision import fp8_format  # noqa: E402
 from kpool_layers.moe.experts import GroupedExperts  # noqa: E402
 from kpool_layers.precision.policy import PrecisionPolicy, Role  # noqa: E402
 from timing import routings  # noqa: E402 - sibling module (run as a script)
@@ -134,7 +135,7 @@ def bench_quantization() -> list[dict[str, Any]]:
     torch.manual_seed(0)
     x = torch.randn(*QUANT_SHAPE, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for recipe in fp8.RECIPES:
+    for recipe in fp8_format.RECIPES:
         for operand in ("activation", "weight") if recipe == "blockwise" else ("activation",):
             ref_q, ref_s = fp8.quantize(x, recipe, operand)
             q, s = fp8_quant_triton.quantize(x, recipe, operand)
