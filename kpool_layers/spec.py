@@ -112,9 +112,9 @@ def glm_decoder_block_spec(
     )
 
 
-def glm_mtp_block_spec(
+def glm_mtp_block_spec(  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
     config: GLMTransformerConfig, attention: ModuleSpec
-):  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
+):
     """megatron's MTP block built from the last decoder layer's spec (GLM-5: one MTP layer)."""
     if not config.mtp_num_layers:
         return None

@@ -193,7 +193,7 @@ class AllKeysIndexer(torch.nn.Module):
     def __init__(self, config: GLMTransformerConfig, layer_number: int) -> None:
         super().__init__()
 
-    def forward(self, hidden, q_latent, rotary_fn=None, cu_seqlens=None):  # noqa: ANN001, ANN201
+    def forward(self, hidden, q_latent, rotary_fn=None, cu_seqlens=None):
         s, b, _ = hidden.shape
         return SimpleNamespace(topk_indices=torch.arange(s).expand(b, s, s))
 
@@ -218,7 +218,7 @@ def test_index_share_skip_layer_reuses_source_indices(single_rank_parallel_state
     used: list[torch.Tensor] = []
     real = TorchSparseMLA.forward
 
-    def recording(self, query, key, topk, key_start, query_pos):  # noqa: ANN001, ANN202
+    def recording(self, query, key, topk, key_start, query_pos):
         used.append(topk)
         return real(self, query, key, topk, key_start, query_pos)
 

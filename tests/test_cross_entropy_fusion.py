@@ -105,7 +105,7 @@ def kernel_errors(device: str, sizes: tuple[int, ...] = (1000, 5000)) -> dict[st
     return errors
 
 
-def _tp_worker(rank: int, port: int, queue) -> None:  # noqa: ANN001 - a multiprocessing queue
+def _tp_worker(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
 
     from kpool_layers.loss import vocab_parallel_cross_entropy

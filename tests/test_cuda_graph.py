@@ -77,7 +77,7 @@ class _FakeWrapper:
         assert stage == "training"
         return self.calls
 
-    def __call__(self, **kwargs):
+    def __call__(self, **kwargs: object) -> tuple[str, dict[str, object]]:
         self.calls += 1
         if self.calls - 1 == self.fail_at:
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")

@@ -119,7 +119,7 @@ def test_valid_indices_with_query_pos() -> None:
     assert valid_indices(idx, None).tolist() == [[[0, -1, -1, -1], [-1, -1, 1, -1]]]  # rows 0, 1
 
 
-def _reference_kernel(q, kv, indices, scale):  # noqa: ANN001, ANN202
+def _reference_kernel(q, kv, indices, scale):
     """SparseMLA's contract on the torch path: q [b, s_q, H, 576], kv [b, s_kv, 1, 576], int32
     indices [b, s_q, 1, W]; only -1 slots are skipped (no causal mask: every query may see every
     key, ``query_pos = s_kv - 1``), so the adapter alone must mask."""

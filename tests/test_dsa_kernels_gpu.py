@@ -25,7 +25,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _attention(backend: str):  # noqa: ANN202
+def _attention(backend: str):
     if backend == "triton":
         from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 

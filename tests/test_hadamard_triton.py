@@ -63,7 +63,7 @@ def cases(device: str, ns: tuple[int, ...] = (2, 16, 128)) -> list[tuple[str, to
     return [(name, x.to(device), gy.to(device)) for name, x, gy in out]
 
 
-def forward_and_gradient(fn, x: torch.Tensor, gy: torch.Tensor,  # noqa: ANN001
+def forward_and_gradient(fn, x: torch.Tensor, gy: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``fn(x, scale)`` and the gradient of ``(fn(x, scale) * gy).sum()`` w.r.t. ``x``."""
     x = x.detach().clone().requires_grad_()
@@ -78,7 +78,7 @@ def assert_same_bits(got: torch.Tensor, ref: torch.Tensor, where: str) -> None:
     assert differ == 0, f"{where}: {differ} of {ref.numel()} differ"
 
 
-def compare(device: str, fn=None, ns: tuple[int, ...] = (2, 16, 128)) -> None:  # noqa: ANN001
+def compare(device: str, fn=None, ns: tuple[int, ...] = (2, 16, 128)) -> None:
     """Assert ``fn`` (default: the Triton kernel) == the torch butterfly, bit for bit, forward and
     gradient, for every case and scale in {1, n ** -0.5}."""
     if fn is None:

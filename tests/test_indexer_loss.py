@@ -136,7 +136,7 @@ def test_mismatched_cu_seqlens_rejected(single_rank_parallel_state) -> None:
         indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False)
 
 
-def reference_slot_mass(main_q, main_k, topk, key_start):  # noqa: ANN001, ANN201
+def reference_slot_mass(main_q, main_k, topk, key_start):
     """Each slot's attention probability summed over heads, [b, s, W] (what the Triton sparse-MLA
     forward returns with ``return_slot_probs``): softmax over the valid slots of every query."""
     s, b, n, _ = main_q.shape

@@ -26,7 +26,7 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
         if func._overloadpacket.__name__ not in NO_KERNEL:
             self.names.append(func._overloadpacket.__name__)
         return func(*args, **(kwargs or {}))

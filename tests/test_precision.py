@@ -196,7 +196,7 @@ def _megatron_config(policy: PrecisionPolicy):
     return config
 
 
-def _parallel_linear(kind: str, config, role: str | None = None):  # noqa: ANN001, ANN202
+def _parallel_linear(kind: str, config, role: str | None = None):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear

@@ -145,7 +145,7 @@ def coverage(x: torch.Tensor, scale_format: str) -> collections.Counter[str]:
     })
 
 
-def count_ops(fn, *args) -> list[str]:  # noqa: ANN001
+def count_ops(fn, *args) -> list[str]:
     """The aten ops (those that launch a kernel on a GPU: :data:`tests.op_counts.NO_KERNEL` excluded)
     that ``fn(*args)`` runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,7 +155,7 @@ def count_ops(fn, *args) -> list[str]:  # noqa: ANN001
     class Count(TorchDispatchMode):
         ops: list[str] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
             if func._overloadpacket.__name__ not in NO_KERNEL:
                 self.ops.append(func._overloadpacket.__name__)
             return func(*args, **(kwargs or {}))

@@ -29,7 +29,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls:
     ``(name + ' into', operand)``."""
     inner: Callable = getattr(module, name)
 
-    def counted(q, scale_or_recipe, *args, **kwargs):  # noqa: ANN001, ANN202
+    def counted(q, scale_or_recipe, *args, **kwargs):
         operand = next(a for a in (*args, *kwargs.values()) if a in ("weight", "activation"))
         into = name == "dequantize" and len(args) + len(kwargs) >= 3
         calls[(name + " into" if into else name, operand)] += 1

@@ -66,7 +66,7 @@ class _CudaToCpu(TorchFunctionMode):
     """Maps CUDA devices in factory calls to CPU; makes ``.cuda()``/``.to('cuda')`` no-ops;
     reports ``torch.cuda.*`` names from ``Tensor.type()`` (megatron asserts on them)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None) -> Any:  # noqa: ANN001
         kwargs = dict(kwargs or {})
         if func is torch.autograd.backward or func is torch.Tensor.backward:
             # torch >= 2.14 dispatches backward through modes, and a mode is switched off while its

@@ -77,7 +77,8 @@ class _SparseMLAAttention(torch.autograd.Function):
     """Chunked sparse MQA attention with recomputation in backward (see module docstring)."""
 
     @staticmethod
-    def forward(ctx, query: torch.Tensor, latent_kv: torch.Tensor, topk_indices: torch.Tensor,
+    def forward(ctx: torch.autograd.function.FunctionCtx, query: torch.Tensor, latent_kv: torch.Tensor,
+                topk_indices: torch.Tensor,
                 key_start: Optional[torch.Tensor], query_pos: Optional[torch.Tensor],
                 softmax_scale: float, v_channels: int, chunk_size: int) -> torch.Tensor:
         s, b, n, d = query.shape
@@ -105,7 +106,7 @@ class _SparseMLAAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):  # noqa: ANN205
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor):  # noqa: ANN205
         query, latent_kv, topk_indices, key_start, query_pos, out, lse = ctx.saved_tensors
         scale, v, chunk = ctx.softmax_scale, ctx.v_channels, ctx.chunk_size
         s, b, n, d = query.shape

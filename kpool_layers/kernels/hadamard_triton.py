@@ -172,13 +172,13 @@ def _launch(x: torch.Tensor, scale: float, reverse: bool) -> torch.Tensor:
 
 class _Hadamard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return _launch(x, scale, reverse=False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
         return _launch(grad, ctx.scale, reverse=True), None
 
 

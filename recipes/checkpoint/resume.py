@@ -185,7 +185,7 @@ def resume(plan: ResumePlan, model: Any, optimizer: Any, scheduler: Any,
             return path, ckpt.load_checkpoint(path, model, optimizer, scheduler)
         except CheckpointError as err:
             failure: Exception = err
-        except (Exception, CheckpointException) as err:  # megatron / torch DCP read errors
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - megatron / torch DCP read errors
             last_line = (str(err).strip().splitlines() or [""])[-1]  # DCP wraps a whole traceback
             failure = CheckpointError(f"{path} failed to load: {type(err).__name__}: {last_line}")
         if plan.explicit or i == len(order) - 1:

@@ -79,7 +79,7 @@ class MetricsLogger:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         _truncate_after(run_dir / "metrics.jsonl", resume_step)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
+        self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - open for the run, closed by close()
         if logging_cfg.mode is not WandbMode.disabled:
             import wandb
 

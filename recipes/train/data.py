@@ -234,7 +234,7 @@ def build_train_dataset(
 class _RankBatches(torch.utils.data.Sampler[list[int]]):
     """Index lists of one dp rank's micro batches, from global sample ``start`` on."""
 
-    def __init__(self, length: int, start: int, micro_batch_size: int, dp_rank: int, dp_size: int):
+    def __init__(self, length: int, start: int, micro_batch_size: int, dp_rank: int, dp_size: int) -> None:
         self.length, self.start = length, start
         self.micro_batch_size, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
 

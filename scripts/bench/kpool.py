@@ -50,7 +50,7 @@ SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=4
               main_heads=4, main_dim=24, chunk=64)
 
 
-def _config(shape: Shape, kpool: int, dtype: torch.dtype, kernels: str):
+def _config(shape: Shape, kpool: int, dtype: torch.dtype, kernels: str) -> "GLMTransformerConfig":
     from kpool_layers.config import GLMTransformerConfig
 
     return GLMTransformerConfig(
