@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: setup train test test-fast dry-run clean
+.PHONY: setup train test test-fast dry-run lint clean
 
 $(VENV)/.installed: pyproject.toml
 	@bash scripts/setup_venv.sh
@@ -19,6 +19,10 @@ train: setup
 
 dry-run: setup
 	$(PY) train.py train.dry_run=true $(ARGS)
+
+# Lint: ruff (pinned in the `test` extra) with the rules of pyproject.toml's [tool.ruff].
+lint: setup
+	$(PY) -m ruff check .
 
 # The test suite CI runs (GPU tests skip on CPU; SLURM tests need scripts/slurm_local.sh).
 test: setup

@@ -1,7 +1,7 @@
 """The transformer config the GLM-5.x layers read: megatron-core's ``MLATransformerConfig`` plus the
 KPool indexer fields that megatron-core 0.19 does not have and the run's precision policy.
 
-Every field keeps megatron's naming so ``recipes.megatron_config`` maps the Hydra ``model`` group to
+Every field keeps megatron's naming so ``recipes.config.megatron`` maps the Hydra ``model`` group to
 it one to one.
 """
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from kpool_layers import model_facts
-from kpool_layers.precision import PrecisionPolicy
+from kpool_layers.precision.policy import PrecisionPolicy
 
 
 @dataclass
 class GLMTransformerConfig(MLATransformerConfig):
-    """``MLATransformerConfig`` + KPool DSA indexer fields (see ``kpool_layers.kpool``) + the
+    """``MLATransformerConfig`` + KPool DSA indexer fields (see ``kpool_layers.dsa.kpool``) + the
     precision policy."""
 
     dsa_indexer_kpool: int = 1
@@ -36,7 +36,7 @@ class GLMTransformerConfig(MLATransformerConfig):
     dsa_kernels: str = "torch"
     """Kernels of the sparse MLA attention and the indexer's scores + top-k: ``torch``, ``tilelang``
     or ``triton`` (resolved; ``auto`` is resolved before the config is made, see
-    :mod:`kpool_layers.dsa_kernels`)."""
+    :mod:`kpool_layers.dsa.backends`)."""
 
     mla_latent_norm_epsilon: float | None = None
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
@@ -45,9 +45,9 @@ class GLMTransformerConfig(MLATransformerConfig):
 
     precision: PrecisionPolicy = field(default_factory=PrecisionPolicy)
     """The run's precision policy (the ``precision`` group): the numerics the role-tagged linears
-    are built with (``kpool_layers.linears``), the indexer's serving-quantized scoring, drift's
+    are built with (``kpool_layers.precision.linears``), the indexer's serving-quantized scoring, drift's
     reference and the precision map.
-    ``recipes.megatron_config`` derives ``bf16``, ``params_dtype`` and ``dsa_indexer_k_norm_fp32``
+    ``recipes.config.megatron`` derives ``bf16``, ``params_dtype`` and ``dsa_indexer_k_norm_fp32``
     from it."""
 
     @property

@@ -23,7 +23,7 @@ def _tag_sequence_parallel(module: torch.nn.Module, config: TransformerConfig) -
 class SPRMSNorm(torch.nn.RMSNorm):
     """RMSNorm over the last dim, sequence-parallel aware."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         _tag_sequence_parallel(self, config)
 
@@ -31,7 +31,7 @@ class SPRMSNorm(torch.nn.RMSNorm):
 class SPLayerNorm(torch.nn.LayerNorm):
     """LayerNorm (with bias) over the last dim, sequence-parallel aware."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object):
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         _tag_sequence_parallel(self, config)
 
@@ -40,7 +40,7 @@ class SPNorm:
     """Builds :class:`SPRMSNorm` or :class:`SPLayerNorm` from ``config.normalization``; a drop-in
     for megatron's ``WrappedTorchNorm`` in layer specs."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: object):
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: object) -> torch.nn.Module:
         if config.normalization == "RMSNorm":
             return SPRMSNorm(config, hidden_size, eps)
         if config.normalization == "LayerNorm":

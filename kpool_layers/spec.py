@@ -1,24 +1,24 @@
 """Layer and block specs for GLM-5.x decoders on megatron-core's ``TransformerLayer``.
 
 Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
-(``kpool_layers.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
+(``kpool_layers.mla.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
 and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest, as
-:class:`kpool_layers.token_dispatch.GLMMoELayer` (megatron's allgather dispatch without host syncs
+:class:`kpool_layers.moe.layer.GLMMoELayer` (megatron's allgather dispatch without host syncs
 where all experts are local).
 The modules are megatron's local backend (ColumnParallelLinear/RowParallelLinear, runs anywhere,
 no Transformer Engine) with the sequence-parallel capable ``SPNorm`` norms. With
 ``config.moe_grouped_gemm`` the routed experts are
-:class:`kpool_layers.grouped_experts.GroupedExperts` (grouped GEMMs), else megatron's
+:class:`kpool_layers.moe.experts.GroupedExperts` (grouped GEMMs), else megatron's
 ``SequentialMLP``.
 
 Precision roles are decided here, by the spec: every linear of the MLP, the routed experts
 (``SequentialMLP`` builds its experts from the ``MLPSubmodules`` given), the shared expert and the
-router is a role-tagged class of :mod:`kpool_layers.linears` (``mlp.fc1/fc2``,
+router is a role-tagged class of :mod:`kpool_layers.precision.linears` (``mlp.fc1/fc2``,
 ``moe.expert_fc1/fc2``, ``moe.shared_fc1/fc2``, ``moe.router``); the attention's roles come from
-``kpool_layers.attention.glm_attention_spec``. The router is
-:class:`kpool_layers.moe_router.FusedTopKRouter`: megatron's ``TopKRouter`` (role-tagged) with the
+``kpool_layers.mla.attention.glm_attention_spec``. The router is
+:class:`kpool_layers.moe.router.FusedTopKRouter`: megatron's ``TopKRouter`` (role-tagged) with the
 fused routing where the configuration allows it. ``GroupedExperts`` has no linears: it computes the
-``moe.expert_fc1/fc2`` roles of ``config.precision`` itself (``kpool_layers.grouped_gemm``).
+``moe.expert_fc1/fc2`` roles of ``config.precision`` itself (``kpool_layers.moe.grouped_gemm``).
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
-from kpool_layers.moe_router import FusedTopKRouter
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
+from kpool_layers.moe.router import FusedTopKRouter
 from kpool_layers.norm import SPNorm
-from kpool_layers.precision import Role
-from kpool_layers.token_dispatch import GLMMoELayer
+from kpool_layers.precision.policy import Role
+from kpool_layers.moe.layer import GLMMoELayer
 
 
 class SPLocalSpecProvider(LocalSpecProvider):
@@ -69,7 +69,7 @@ def _mlp_submodules(fc1: Role, fc2: Role) -> MLPSubmodules:
 
 def glm_mlp_spec(config: GLMTransformerConfig, moe: bool):  # noqa: ANN201 (megatron MlpBuilder)
     """megatron's dense ``MLP``, or its ``MoELayer`` (router, routed experts, shared expert; as
-    :class:`~kpool_layers.token_dispatch.GLMMoELayer`), on the
+    :class:`~kpool_layers.moe.layer.GLMMoELayer`), on the
     local backend with role-tagged linears; what ``get_mlp_module_spec_for_backend`` builds for the
     local backend, roles added."""
     if not moe:
@@ -112,9 +112,9 @@ def glm_decoder_block_spec(
     )
 
 
-def glm_mtp_block_spec(
+def glm_mtp_block_spec(  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
     config: GLMTransformerConfig, attention: ModuleSpec
-):  # noqa: ANN201 (MultiTokenPredictionBlockSubmodules | None)
+):
     """megatron's MTP block built from the last decoder layer's spec (GLM-5: one MTP layer)."""
     if not config.mtp_num_layers:
         return None

@@ -5,12 +5,12 @@ once the package is installed (``pip install .``; the ``conf/`` tree ships insid
 Runs on every rank under torchrun or srun; each rank composes the same config and trains into the
 same run directory (see conf/config.yaml). ``--cfg job`` prints the composed config. Before Hydra
 composes, every override key is checked against the schema and the run directory is chosen (a rerun
-resumes the command's last unfinished run, :mod:`recipes.run_dir`).
+resumes the command's last unfinished run, :mod:`recipes.launch.run_dir`).
 """
 
-from recipes import console
+from recipes.launch import console
 
-console.quiet()  # before megatron-core is imported (below, through recipes.schema)
+console.quiet()  # before megatron-core is imported (below, through recipes.config.schema)
 
 import logging  # noqa: E402
 import sys  # noqa: E402
@@ -22,10 +22,10 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes.config_keys import check_overrides  # noqa: E402
-from recipes.distributed import register_resolvers  # noqa: E402
-from recipes.run_dir import select_run  # noqa: E402
-from recipes.schema import register_configs  # noqa: E402
+from recipes.config.keys import check_overrides  # noqa: E402
+from recipes.launch.distributed import register_resolvers  # noqa: E402
+from recipes.launch.run_dir import select_run  # noqa: E402
+from recipes.config.schema import register_configs  # noqa: E402
 
 register_resolvers()
 register_configs()

@@ -3,7 +3,7 @@ dist checkpoints, driven by a composed config.
 
 ``run(composed, run_dir)`` is what ``train.py`` calls on every rank. It validates the composed
 DictConfig before anything expensive and converts it once into the schema's
-:class:`~recipes.schema.Config` (:mod:`recipes.typed_config`), which everything after takes; then
+:class:`~recipes.config.schema.Config` (:mod:`recipes.config.typed`), which everything after takes; then
 it starts the process groups, builds the model for this pipeline stage, resumes if asked, trains
 ``train.steps`` optimizer steps and writes ``metrics.jsonl`` / ``result.json`` / checkpoints into
 ``run_dir`` (rank 0 writes the files; every rank takes part in checkpoints).
@@ -29,29 +29,30 @@ from megatron.core.transformer.module import Float16Module
 from omegaconf import DictConfig
 
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.device_copy import to_device
-from recipes import checkpoint as ckpt
-from recipes import data as data_lib
-from recipes import distributed
-from recipes import resume as resume_lib
-from recipes.console import duration
-from recipes.cuda_graph import ForwardBackward, capture_stream
-from recipes.data_checks import check_indexed_data
-from recipes.drift_logging import DriftMonitor
-from recipes.dry_run import check_all, dry_run, flop_model
-from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
-from recipes.megatron_config import to_transformer_config
-from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
+from kpool_layers.compat.device_copy import to_device
+from recipes.checkpoint import store as ckpt
+from recipes.train import data as data_lib
+from recipes.launch import distributed
+from recipes.checkpoint import resume as resume_lib
+from recipes.launch.console import duration
+from recipes.train.cuda_graph import ForwardBackward, capture_stream
+from recipes.train.data_checks import check_indexed_data
+from recipes.observe.drift import DriftMonitor
+from recipes.plan.dry_run import check_all, dry_run, flop_model
+from recipes.observe.indexer_loss import KEY as INDEXER_LOSS, IndexerLossMonitor
+from recipes.config.megatron import to_transformer_config
+from recipes.observe.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
                              reset_peak_memory)
-from recipes.model import build_gpt_model
-from recipes.nonfinite import NonFiniteGuard
-from recipes.optimizer import build_optimizer
-from recipes.precision_setup import kernel_rows, precision_map, report_precision
-from recipes.preemption import Preempted, PreemptionGuard, Requeued
-from recipes.preflight import preflight
-from recipes.run_result import RunResult
-from recipes.schema import Config, CudaGraphImpl, validate
-from recipes.typed_config import plain, to_config
+from recipes.train.model import build_gpt_model
+from recipes.train.nonfinite import NonFiniteGuard
+from recipes.train.optimizer import build_optimizer
+from recipes.observe.precision_map import kernel_rows, precision_map, report_precision
+from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
+from recipes.plan.preflight import preflight
+from recipes.launch.result import RunResult
+from recipes.config.schema import Config, CudaGraphImpl
+from recipes.config.rules import validate
+from recipes.config.typed import plain, to_config
 
 
 @dataclass
@@ -67,7 +68,7 @@ class Trainer:
 
 
 def _record(run_dir: Path, result: RunResult) -> None:
-    """``result.json`` from rank 0 (:class:`recipes.run_result.RunResult`)."""
+    """``result.json`` from rank 0 (:class:`recipes.launch.result.RunResult`)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         result.write(run_dir)
 
@@ -105,7 +106,7 @@ def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = No
 
 def _checked(composed: DictConfig, run_dir: Path, world_size: int) -> tuple[Config, Path]:
     """The validated config (a dry run: every broken rule at once, for the configured machine,
-    nodes x gpus_per_node) converted to the schema's :class:`~recipes.schema.Config`, and the
+    nodes x gpus_per_node) converted to the schema's :class:`~recipes.config.schema.Config`, and the
     checkpoint root (from ``train.save`` as composed, before interpolation)."""
     if composed.train.dry_run:
         check_all(composed, composed.parallelism.nodes * composed.parallelism.gpus_per_node)
@@ -194,7 +195,7 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
 def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
                  model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
     """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
-    this context-parallel rank's part of it (:func:`recipes.data.context_parallel_slice`; the
+    this context-parallel rank's part of it (:func:`recipes.train.data.context_parallel_slice`; the
     packed documents' boundaries describe the whole row)."""
     batch = {k: to_device(v, device) for k, v in next(data_iterator).items()
              if k != "attention_mask"}

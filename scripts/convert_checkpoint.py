@@ -38,9 +38,9 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from kpool_layers import _cpu  # noqa: E402
-from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
-from recipes.hf_io import (  # noqa: E402
+from kpool_layers.compat import cpu as _cpu  # noqa: E402
+from recipes.hf.config import hf_config_from_model, model_config_from_hf  # noqa: E402
+from recipes.hf.io import (  # noqa: E402
     HFReader,
     HFWriter,
     atomic_output_dir,
@@ -50,9 +50,9 @@ from recipes.hf_io import (  # noqa: E402
     save_lazy_dist_checkpoint,
     stored_dtypes,
 )
-from recipes.hf_mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
-from recipes.checkpoint_manifest import code_version, verify, write_manifest  # noqa: E402
-from recipes.schema import Config, ModelConfig  # noqa: E402
+from recipes.hf.mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
+from recipes.checkpoint.manifest import code_version, verify, write_manifest  # noqa: E402
+from recipes.config.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_YAML = "model.yaml"
 CONVERSION_JSON = "conversion.json"
@@ -101,9 +101,9 @@ def init_single_rank() -> None:
 def meta_sharded_state_dict(model_cfg: DictConfig) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """``GPTModel.sharded_state_dict()`` of the model built on ``meta`` at TP = PP = EP = 1, and
     the shape of every state-dict tensor (expert shards carry an extra leading axis)."""
-    from recipes.megatron_config import to_transformer_config
-    from recipes.model import build_gpt_model, meta_init
-    from recipes.typed_config import to_config
+    from recipes.config.megatron import to_transformer_config
+    from recipes.train.model import build_gpt_model, meta_init
+    from recipes.config.typed import to_config
 
     init_single_rank()
     cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config),

@@ -7,7 +7,7 @@ writes ``out/corpus_text_document.bin`` and ``.idx`` (megatron-LM's naming; pass
 ``out/corpus_text_document`` in ``data.paths``) with megatron-core's ``IndexedDatasetBuilder``,
 one document per input line. Documents that tokenize to nothing are skipped. Use
 ``--append-eod`` for pretraining: the EOD token separates packed documents (see
-``recipes.data.packed_seq_params_from_eod``).
+``recipes.train.data.packed_seq_params_from_eod``).
 
 An input that is not a JSON-lines corpus (empty, binary, not UTF-8, a line that is not a JSON
 object or lacks ``--json-key`` as a string) stops with ``FILE:LINE: what is wrong`` and exit status
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from recipes.data import load_hf_tokenizer
+from recipes.train.data import load_hf_tokenizer
 
 _worker_tokenizer = None
 

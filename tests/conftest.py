@@ -9,7 +9,7 @@ import socket
 import pytest
 import torch
 
-from kpool_layers import _cpu
+from kpool_layers.compat import cpu as _cpu
 
 _cpu.install()
 

@@ -67,13 +67,13 @@ class OwnOps(TorchDispatchMode):
             self._owner[node] = owner
             nodes.extend(parent for parent, _ in node.next_functions)
 
-    def _enter(self, name: str):  # noqa: ANN202
+    def _enter(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
             self._claim((args, kwargs), self._stack[-1] if self._stack else OUTSIDE)  # the caller's
             self._stack.append(name)
         return hook
 
-    def _leave(self, name: str):  # noqa: ANN202
+    def _leave(self, name: str):
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             self._claim(output, name)
             self._stack.pop()
@@ -84,7 +84,7 @@ class OwnOps(TorchDispatchMode):
             handle.remove()
         super().__exit__(*exc)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
         name = func._overloadpacket.__name__
         if name not in NO_KERNEL:
             node = torch._C._current_autograd_node()

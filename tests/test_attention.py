@@ -18,8 +18,8 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import build_module
 
-import kpool_layers.rope as rope_mod
-from kpool_layers.attention import (
+import kpool_layers.mla.rope as rope_mod
+from kpool_layers.mla.attention import (
     GLMSparseMLA,
     IndexerLossAutoScaler,
     TopKShare,
@@ -28,7 +28,7 @@ from kpool_layers.attention import (
     mla_softmax_scale,
 )
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.core_attention import TorchSparseMLA
+from kpool_layers.dsa.core_attention import TorchSparseMLA
 
 
 def tiny_config(**overrides: object) -> GLMTransformerConfig:
@@ -193,7 +193,7 @@ class AllKeysIndexer(torch.nn.Module):
     def __init__(self, config: GLMTransformerConfig, layer_number: int) -> None:
         super().__init__()
 
-    def forward(self, hidden, q_latent, rotary_fn=None, cu_seqlens=None):  # noqa: ANN001, ANN201
+    def forward(self, hidden, q_latent, rotary_fn=None, cu_seqlens=None):
         s, b, _ = hidden.shape
         return SimpleNamespace(topk_indices=torch.arange(s).expand(b, s, s))
 
@@ -218,7 +218,7 @@ def test_index_share_skip_layer_reuses_source_indices(single_rank_parallel_state
     used: list[torch.Tensor] = []
     real = TorchSparseMLA.forward
 
-    def recording(self, query, key, topk, key_start, query_pos):  # noqa: ANN001, ANN202
+    def recording(self, query, key, topk, key_start, query_pos):
         used.append(topk)
         return real(self, query, key, topk, key_start, query_pos)
 
@@ -248,7 +248,7 @@ def test_indexer_loss_backward_scale_and_logging(single_rank_parallel_state) -> 
     torch.manual_seed(0)
     cfg = tiny_config(dsa_indexer_loss_coeff=0.5)
     model = torch.nn.ModuleDict({"attn": build(cfg)})
-    # The layer leaves the shared config alone (recipes.megatron_config installs the callback).
+    # The layer leaves the shared config alone (recipes.config.megatron installs the callback).
     assert cfg.experimental_attention_variant_loss_scale_func is None
     x = torch.randn(9, 2, 32)
 

@@ -4,8 +4,8 @@ data-parallel x CP ranks does), the logged indexer loss, and every rank's top-k 
 queries. BSHD and packed THD (documents straddling the ranks' chunks), dense and sparse indexer
 loss, plain DSA and KPool with the tail; CP = 2 on 2 gloo processes and CP = 2 x TP = 2 (with
 sequence parallelism) on 4. Also: the batch split of the training loop
-(:func:`recipes.data.context_parallel_slice`, megatron's) holds exactly the positions the layer
-assumes (:func:`kpool_layers.context_parallel.local_positions`)."""
+(:func:`recipes.train.data.context_parallel_slice`, megatron's) holds exactly the positions the layer
+assumes (:func:`kpool_layers.dsa.context_parallel.local_positions`)."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def _run(tp: int, cp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: in
     CP rank's output rows, their input grad, mean logged indexer loss over CP, top-k, positions)."""
     from megatron.core import parallel_state as ps
 
-    from kpool_layers.attention import collect_indexer_losses
-    from kpool_layers.context_parallel import local_positions
+    from kpool_layers.mla.attention import collect_indexer_losses
+    from kpool_layers.dsa.context_parallel import local_positions
     from tests.test_attention import thd
 
     module = _layer(tp, cp, cu, sparse_loss, kpool, reference)
@@ -110,8 +110,8 @@ def _check_batch_split() -> None:
     """The loop's split (megatron's get_batch_on_this_cp_rank) keeps the layer's positions."""
     from megatron.core import parallel_state as ps
 
-    from kpool_layers.context_parallel import local_positions
-    from recipes.data import context_parallel_slice
+    from kpool_layers.dsa.context_parallel import local_positions
+    from recipes.train.data import context_parallel_slice
 
     tokens = torch.arange(2 * SEQ).view(2, SEQ)
     batch = {"tokens": tokens, "labels": tokens + 100, "loss_mask": torch.ones(2, SEQ),
@@ -126,7 +126,7 @@ def _check_batch_split() -> None:
 def _worker(rank: int, world: int, port: int, tp: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -50,7 +50,7 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: i
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from kpool_layers.attention import collect_indexer_losses
+    from kpool_layers.mla.attention import collect_indexer_losses
     from tests.test_attention import build, thd, tiny_config
 
     ps.destroy_model_parallel()
@@ -105,7 +105,7 @@ def _gather_sequence(t: torch.Tensor, tp: int, group: dist.ProcessGroup) -> torc
 def _worker(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     dist.init_process_group("gloo", rank=rank, world_size=2)

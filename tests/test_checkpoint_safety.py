@@ -21,9 +21,9 @@ from typing import Callable
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recipes.checkpoint_manifest import CheckpointError, verify, write_manifest
-from recipes.distributed import register_resolvers
-from recipes.schema import ConfigError, register_configs
+from recipes.checkpoint.manifest import CheckpointError, verify, write_manifest
+from recipes.launch.distributed import register_resolvers
+from recipes.config.schema import ConfigError, register_configs
 from tests.conftest import free_port
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -121,7 +121,7 @@ def test_overwrite_never_prunes_another_runs_checkpoints_nor_latest(
 
 
 def test_pruning_never_removes_the_checkpoint_latest_names(tmp_path: Path) -> None:
-    from recipes.checkpoint import LATEST, prune
+    from recipes.checkpoint.store import LATEST, prune
 
     for step in (1, 2, 3):
         ckpt = tmp_path / f"iter_{step:07d}"
@@ -252,7 +252,7 @@ def test_export_of_a_training_checkpoint_needs_no_model_flag(
 # 6. Non-finite loss or gradients.
 
 def test_nan_stops_at_that_step_without_saving_and_result_json_stays_json(train: Train, tmp_path: Path) -> None:
-    from recipes.nonfinite import NonFiniteError
+    from recipes.train.nonfinite import NonFiniteError
 
     run_dir = tmp_path / "nan"
     with pytest.raises(NonFiniteError, match="at step 2"):
@@ -265,7 +265,7 @@ def test_nan_stops_at_that_step_without_saving_and_result_json_stays_json(train:
 
 
 def test_nonfinite_skip_skips_updates_then_stops(train: Train, tmp_path: Path) -> None:
-    from recipes.nonfinite import NonFiniteError
+    from recipes.train.nonfinite import NonFiniteError
 
     with pytest.raises(NonFiniteError, match="at step 3"):
         train(tmp_path / "skip", "train.steps=4", "train.lr=1e30", "train.min_lr=0", "train.nonfinite_skip=1")
@@ -273,7 +273,7 @@ def test_nonfinite_skip_skips_updates_then_stops(train: Train, tmp_path: Path) -
 
 
 def test_result_json_writes_null_for_nan(tmp_path: Path) -> None:
-    from recipes.run_result import RunResult
+    from recipes.launch.result import RunResult
 
     RunResult("completed", None, ["train.steps=1"], float("nan"), 1).write(tmp_path)
     assert json.loads((tmp_path / "result.json").read_text())["final_loss"] is None
@@ -292,7 +292,7 @@ def test_zero_ffn_size_fails_before_the_build_not_in_the_final_save(train: Train
 
 def test_unwritable_or_full_save_directory_fails_first(train: Train, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from recipes import preflight
+    from recipes.plan import preflight
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -304,8 +304,8 @@ def test_unwritable_or_full_save_directory_fails_first(train: Train, tmp_path: P
 
 
 def test_checkpoint_size_estimate_matches_a_real_checkpoint(three_checkpoints: Path) -> None:
-    from recipes.preflight import checkpoint_bytes
-    from recipes.typed_config import to_config
+    from recipes.plan.preflight import checkpoint_bytes
+    from recipes.config.typed import to_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = to_config(compose(config_name="config", overrides=FAST))
@@ -357,7 +357,7 @@ def test_sweep_jobs_get_their_own_save_directory(tmp_path: Path) -> None:
     from hydra.types import RunMode
     from omegaconf import OmegaConf, read_write
 
-    from recipes.resume import checkpoint_root
+    from recipes.checkpoint.resume import checkpoint_root
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"train.save={tmp_path / 'shared'}"],

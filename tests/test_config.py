@@ -12,12 +12,13 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from kpool_layers.attention import IndexerLossAutoScaler
-from recipes.distributed import register_resolvers
-from recipes.megatron_config import to_transformer_config
-from recipes.config_keys import UnknownKeyError, check_overrides
-from recipes.schema import ConfigError, numeric_fields, register_configs, validate
-from recipes.typed_config import to_config
+from kpool_layers.mla.attention import IndexerLossAutoScaler
+from recipes.launch.distributed import register_resolvers
+from recipes.config.megatron import to_transformer_config
+from recipes.config.keys import UnknownKeyError, check_overrides
+from recipes.config.schema import ConfigError, numeric_fields, register_configs
+from recipes.config.rules import validate
+from recipes.config.typed import to_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -116,7 +117,7 @@ INVALID = [
      "parallelism.expert_model_parallel_size"),
     # A pp2 preset launched as one process: the PP size is what does not fit, not TP.
     (["parallelism=pp2"], 1, "parallelism.pipeline_model_parallel_size"),
-    # Out of their declared ranges (field metadata in recipes/schema.py).
+    # Out of their declared ranges (field metadata in recipes/config/schema.py).
     (["train.clip_grad=-1"], 1, "train.clip_grad"),
     (["model.vocab_size=1"], 1, "model.vocab_size"),
     (["train.adam_beta1=1.5"], 1, "train.adam_beta1"),
@@ -200,7 +201,7 @@ def test_config_error_is_one_paragraph_without_traceback(tmp_path: Path) -> None
 
 
 def test_hydra_full_error_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
-    from recipes.console import config_errors
+    from recipes.launch.console import config_errors
 
     monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
     with pytest.raises(ConfigError), config_errors(exit_on_error=True):
@@ -214,7 +215,7 @@ def test_hydra_full_error_still_raises(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_glm5_2_pipeline_needs_uneven_stages_and_gets_a_suggestion() -> None:
     """78 layers do not split evenly over 8 stages, and under IndexShare every stage must start on
     a layer computing its top-k: the error proposes first/last stage sizes that satisfy both."""
-    from recipes.pipeline_layout import shares_across_stages, stage_layers, suggest_layout
+    from recipes.config.pipeline_layout import shares_across_stages, stage_layers, suggest_layout
 
     world = ["parallelism.nodes=2", "parallelism.gpus_per_node=8", "parallelism.expert_model_parallel_size=2",
              "train.global_batch_size=2", "train.micro_batch_size=1"]
@@ -237,7 +238,7 @@ def test_glm5_2_pipeline_needs_uneven_stages_and_gets_a_suggestion() -> None:
 
 
 def test_dry_run_check_lists_every_problem_at_once() -> None:
-    from recipes.dry_run import check_all
+    from recipes.plan.dry_run import check_all
 
     cfg = _compose(["parallelism.tensor_model_parallel_size=3", "model.dsa_indexer_kpool=3",
                     "train.micro_batch_size=3"])
@@ -260,7 +261,7 @@ def test_uneven_stages_build_their_own_layer_counts() -> None:
     """Each stage's block spec has the layers megatron assigns it (not num_layers // PP on every
     stage: 1 + 3, not 2 + 2). Trained end to end: torchrun --nproc-per-node 2 train.py
     parallelism=pp2 parallelism.num_layers_in_first_pipeline_stage=1 ..._last_...=3."""
-    from kpool_layers.attention import glm_attention_spec
+    from kpool_layers.mla.attention import glm_attention_spec
     from kpool_layers.spec import glm_decoder_block_spec
 
     cfg = _compose(["parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=1",

@@ -10,9 +10,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from recipes.checkpoint_manifest import verify  # noqa: E402
-from scripts.convert_checkpoint import export_hf, import_hf  # noqa: E402
-from tests.test_hf_interop import save_tiny  # noqa: E402
+from recipes.checkpoint.manifest import verify
+from scripts.convert_checkpoint import export_hf, import_hf
+from tests.test_hf_interop import save_tiny
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
 """``train.cross_entropy_fusion``: the language-model loss in two Triton kernels
-(``kpool_layers.cross_entropy``) on GPUs, against megatron's unfused ``vocab_parallel_cross_entropy``
+(``kpool_layers.loss``) on GPUs, against megatron's unfused ``vocab_parallel_cross_entropy``
 (the oracle) and a float64 reference.
 
-Tolerances, from the arithmetic (FP32 throughout, module docstring of kpool_layers.cross_entropy):
+Tolerances, from the arithmetic (FP32 throughout, module docstring of kpool_layers.loss):
 the row sum ``S`` has a relative error of a few FP32 steps per block iteration and per level of
 the lane reduction plus the exponentials' (at most ~2^-22 each, GPU ``ex2.approx``), so below
 2^-18 for these sizes; ``log S``, ``m + log S`` and the final subtraction add a rounding of
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from recipes.megatron_config import fused_cross_entropy, to_transformer_config
-from recipes.typed_config import to_config
+from recipes.config.megatron import fused_cross_entropy, to_transformer_config
+from recipes.config.typed import to_config
 from tests.test_config import _compose
 from tests.test_cuda_graph import GRAPHS, _losses
 
@@ -84,7 +84,7 @@ def kernel_errors(device: str, sizes: tuple[int, ...] = (1000, 5000)) -> dict[st
     size, and (FP32) of megatron's unfused loss on the same logits."""
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy as megatron_loss
 
-    from kpool_layers.cross_entropy import vocab_parallel_cross_entropy
+    from kpool_layers.loss import vocab_parallel_cross_entropy
 
     errors = {}
     for v in sizes:
@@ -105,10 +105,10 @@ def kernel_errors(device: str, sizes: tuple[int, ...] = (1000, 5000)) -> dict[st
     return errors
 
 
-def _tp_worker(rank: int, port: int, queue) -> None:  # noqa: ANN001 - a multiprocessing queue
+def _tp_worker(rank: int, port: int, queue) -> None:
     import torch.distributed as dist
 
-    from kpool_layers.cross_entropy import vocab_parallel_cross_entropy
+    from kpool_layers.loss import vocab_parallel_cross_entropy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -185,7 +185,7 @@ def test_fused_loss_on_gpus_unless_switched_off(gpu, overrides, fused) -> None:
 
 def test_megatron_gets_the_choice(monkeypatch) -> None:
     """The decision, made from the key and this machine, reaches megatron's config."""
-    import recipes.megatron_config as megatron_config
+    import recipes.config.megatron as megatron_config
 
     seen = []
     monkeypatch.setattr(megatron_config, "fused_cross_entropy", lambda *args: seen.append(args) or True)
@@ -202,9 +202,9 @@ def test_the_built_model_computes_its_loss_with_the_kernels(fusion, monkeypatch,
     returning ``[b, s]``; without it megatron's ``GPTModel`` and its unfused loss."""
     from megatron.core.models.gpt import GPTModel
 
-    import kpool_layers.cross_entropy as cross_entropy
-    from kpool_layers.cross_entropy import FusedLossGPTModel
-    from recipes.model import build_gpt_model
+    import kpool_layers.loss as cross_entropy
+    from kpool_layers.loss import FusedLossGPTModel
+    from recipes.train.model import build_gpt_model
 
     cfg = to_config(_compose(["model=glm5_tiny", "precision=fp32"]))
     tcfg = to_transformer_config(cfg)

@@ -1,4 +1,4 @@
-"""``train.cuda_graph_impl=full_iteration`` (``recipes/cuda_graph.py``): the rules that refuse
+"""``train.cuda_graph_impl=full_iteration`` (``recipes/train/cuda_graph.py``): the rules that refuse
 steps a replay cannot run, the config megatron gets, the eager / graphed / capture-error routing
 (CPU, with megatron's wrapper stood in), and on a GPU whole training runs replayed against eager
 ones."""
@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import recipes.cuda_graph as cuda_graph
-from recipes.megatron_config import to_transformer_config
-from recipes.schema import ConfigError, CudaGraphImpl, TrainConfig, all_problems, validate
-from recipes.typed_config import to_config
+import recipes.train.cuda_graph as cuda_graph
+from recipes.config.megatron import to_transformer_config
+from recipes.config.schema import ConfigError, CudaGraphImpl, TrainConfig
+from recipes.config.rules import all_problems, validate
+from recipes.config.typed import to_config
 from tests.test_config import _compose
 from tests.train_runner import metrics, run_train
 
@@ -76,7 +77,7 @@ class _FakeWrapper:
         assert stage == "training"
         return self.calls
 
-    def __call__(self, **kwargs):
+    def __call__(self, **kwargs: object) -> tuple[str, dict[str, object]]:
         self.calls += 1
         if self.calls - 1 == self.fail_at:
             raise RuntimeError("operation not permitted when stream is capturing\nmore detail")

@@ -1,4 +1,4 @@
-"""recipes.data and scripts/preprocess_data.py on tiny local data (no network, CPU)."""
+"""recipes.train.data and scripts/preprocess_data.py on tiny local data (no network, CPU)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from recipes.data import (
+from recipes.train.data import (
     ResumableBatchIterator,
     build_tokenizer,
     build_train_dataset,
@@ -26,8 +26,8 @@ from recipes.data import (
     load_hf_tokenizer,
     packed_seq_params_from_eod,
 )
-from recipes.data_checks import check_indexed_data
-from recipes.schema import ConfigError, DataConfig, DataKind
+from recipes.train.data_checks import check_indexed_data
+from recipes.config.schema import ConfigError, DataConfig, DataKind
 
 ROOT = Path(__file__).resolve().parents[1]
 EOT = "<|endoftext|>"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import drift
+from kpool_layers.dsa import drift
 
 INF = float("inf")
 

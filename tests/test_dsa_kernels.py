@@ -9,14 +9,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kpool_layers import dsa_kernels
-from kpool_layers.attention import glm_attention_spec
-from kpool_layers.core_attention import CORE_ATTENTION, TorchSparseMLA
+from kpool_layers.dsa import backends as dsa_kernels
+from kpool_layers.mla.attention import glm_attention_spec
+from kpool_layers.dsa.core_attention import CORE_ATTENTION, TorchSparseMLA
 from kpool_layers.kernels.tilelang_dsa import (TILELANG_SLOT_BLOCK, sparse_mla_tilelang, tilelang_heads,
                                                valid_indices)
-from kpool_layers.sparse_attention import sparse_mla_attention
-from recipes.distributed import register_resolvers
-from recipes.schema import ConfigError, register_configs, validate
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
+from recipes.launch.distributed import register_resolvers
+from recipes.config.schema import ConfigError, register_configs
+from recipes.config.rules import validate
 from tests.test_attention import build, tiny_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -85,7 +86,7 @@ def test_spec_builds_the_backends_core_attention(backend: str) -> None:
 
 
 def test_kernel_rows_in_the_precision_map(single_rank_parallel_state) -> None:
-    from recipes.precision_setup import kernel_rows
+    from recipes.observe.precision_map import kernel_rows
 
     layer = build(tiny_config())
     assert isinstance(layer.core_attention, TorchSparseMLA)
@@ -118,7 +119,7 @@ def test_valid_indices_with_query_pos() -> None:
     assert valid_indices(idx, None).tolist() == [[[0, -1, -1, -1], [-1, -1, 1, -1]]]  # rows 0, 1
 
 
-def _reference_kernel(q, kv, indices, scale):  # noqa: ANN001, ANN202
+def _reference_kernel(q, kv, indices, scale):
     """SparseMLA's contract on the torch path: q [b, s_q, H, 576], kv [b, s_kv, 1, 576], int32
     indices [b, s_q, 1, W]; only -1 slots are skipped (no causal mask: every query may see every
     key, ``query_pos = s_kv - 1``), so the adapter alone must mask."""

@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 import torch
 
-from kpool_layers.dsa_kernels import range_topk_kernel
-from kpool_layers.kpool import pool_layout
-from kpool_layers.sparse_attention import sparse_mla_attention
-from kpool_layers.topk import index_scores
+from kpool_layers.dsa.backends import range_topk_kernel
+from kpool_layers.dsa.kpool import pool_layout
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
+from kpool_layers.dsa.topk import index_scores
 from tests.test_attention import build, thd, tiny_config
 
 pytestmark = pytest.mark.gpu
@@ -25,7 +25,7 @@ def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _attention(backend: str):  # noqa: ANN202
+def _attention(backend: str):
     if backend == "triton":
         from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 

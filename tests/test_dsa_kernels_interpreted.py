@@ -82,7 +82,7 @@ def test_triton_layer_equals_torch_layer(report: dict[str, float]) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(REPO))
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     print(json.dumps(compare()))

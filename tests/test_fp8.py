@@ -8,7 +8,8 @@ import struct
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 
 # ----------------------------------------------------------------------------------------------
 # Independent reference: Python floats, frexp/ldexp rounding, explicit Hadamard matrix.
@@ -160,8 +161,8 @@ def test_serving_index_quant_random_close_to_reference():
     torch.testing.assert_close(got, ref, rtol=0.07, atol=1e-3)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
-@pytest.mark.parametrize("operand", fp8.OPERANDS)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
+@pytest.mark.parametrize("operand", fp8_format.OPERANDS)
 def test_quantize_matches_reference(recipe, operand):
     g = torch.Generator().manual_seed(2)
     x = torch.randn(130, 260, generator=g) * torch.logspace(-3, 2, 260)
@@ -186,7 +187,7 @@ def test_quantize_matches_reference(recipe, operand):
 
 def test_all_zero_vectors():
     z = torch.zeros(2, 128)
-    for fmt in fp8.SCALE_FORMATS:
+    for fmt in fp8_format.SCALE_FORMATS:
         q, s = fp8.quantize_vectors(z, fmt)
         assert torch.isfinite(s).all() and (s > 0).all()
         assert fp8.serving_index_quant(z, fmt).eq(0).all()

@@ -1,8 +1,8 @@
 """The fused Triton FP8 dequantization (``kpool_layers.kernels.fp8_dequant_triton``) against the
-reference ``kpool_layers.fp8.dequantize``: same bits for every recipe, operand and scale format,
+reference ``kpool_layers.precision.fp8.dequantize``: same bits for every recipe, operand and scale format,
 on ragged shapes (M, K not multiples of 128), and the FP8 backward paths that use it.
 
-The operands are the reference quantization's bytes and scales (:func:`kpool_layers.fp8.quantize`;
+The operands are the reference quantization's bytes and scales (:func:`kpool_layers.precision.fp8.quantize`;
 the fused quantizer's FP32 -> e4m3 conversion is not the GPU's under Triton's interpreter). On the
 CPU the kernel runs under the interpreter in a subprocess (``TRITON_INTERPRET=1`` must be set
 before triton is imported) with ``out_dtype=torch.float32``: the interpreter truncates FP32 ->
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import fp8, precision
+from kpool_layers.precision import fp8, policy as precision
+from kpool_layers.precision import fp8_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +49,8 @@ def compare(device: str, out_dtypes: tuple[torch.dtype, ...]) -> None:
     from kpool_layers.kernels import fp8_dequant_triton as fused
 
     for name, x, operand in cases(device):
-        for recipe in fp8.RECIPES:
-            for scale_format in fp8.SCALE_FORMATS:
+        for recipe in fp8_format.RECIPES:
+            for scale_format in fp8_format.SCALE_FORMATS:
                 q, s = fp8.quantize(x, recipe, operand, scale_format)
                 for out_dtype in out_dtypes:
                     ref = fp8.dequantize(q, s, recipe, operand).to(out_dtype)
@@ -114,7 +115,7 @@ def matmul_grads(x: torch.Tensor, w: torch.Tensor, gy: torch.Tensor, recipe: str
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_quantized_matmul_gradients_equal_the_eager_dequantization(monkeypatch, recipe, dtype):
     """``_QuantizedMatmul``'s backward with the fused dequantization gives the gradients of the
@@ -137,9 +138,9 @@ def test_quantized_matmul_gradients_equal_the_eager_dequantization(monkeypatch, 
 def test_grouped_fp8_gradients_equal_the_eager_dequantization(monkeypatch, recipe):
     """The FP8 grouped experts' backward with the fused dequantization gives the gradients of the
     eager one bit for bit (skewed routing, experts without tokens)."""
-    from kpool_layers import grouped_gemm
+    from kpool_layers.moe import grouped_gemm
     from kpool_layers.kernels import fp8_dequant_triton
-    from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
+    from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
 
     numerics = LinearNumerics(PrecisionPolicy(fp8=True, recipe=recipe, backend="torch"), Role.MOE_EXPERT_FC1)
     counts = torch.tensor([37, 0, 5, 90, 1, 0])

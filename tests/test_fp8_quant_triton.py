@@ -1,5 +1,5 @@
 """The fused Triton FP8 quantization (``kpool_layers.kernels.fp8_quant_triton``) against the
-reference ``kpool_layers.fp8.quantize``: same e4m3 bytes and FP32 scales for every recipe,
+reference ``kpool_layers.precision.fp8.quantize``: same e4m3 bytes and FP32 scales for every recipe,
 operand and scale format, on ragged shapes and edge values.
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,8 +48,8 @@ def compare(device: str) -> None:
 
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     for name, x, operand in cases(device):
-        for recipe in fp8.RECIPES:
-            for scale_format in fp8.SCALE_FORMATS:
+        for recipe in fp8_format.RECIPES:
+            for scale_format in fp8_format.SCALE_FORMATS:
                 ref_q, ref_s = fp8.quantize(x, recipe, operand, scale_format)
                 if interpreted:
                     q, s = fused.quantize(x, recipe, operand, scale_format, out_dtype=torch.float32)
@@ -59,6 +60,13 @@ def compare(device: str) -> None:
                 assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape, where
                 assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), where
                 assert s.dtype == torch.float32 and torch.equal(s, ref_s), where
+    for shape, operand in (((0, 200), "activation"), ((2, 0, 128), "activation"), ((0, 200), "weight")):
+        x = torch.zeros(shape, device=device)  # no rows: no kernel runs, the shapes still hold
+        for recipe in fp8_format.RECIPES:
+            ref_q, ref_s = fp8.quantize(x, recipe, operand)
+            q, s = fused.quantize(x, recipe, operand)
+            where = f"empty {shape} {operand} {recipe}"
+            assert (q.dtype, q.shape, s.dtype, s.shape) == (ref_q.dtype, ref_q.shape, ref_s.dtype, ref_s.shape), where
     print("fused == reference")
 
 
@@ -77,13 +85,13 @@ def test_fused_quantize_matches_reference_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
     """One kernel per operand (two for tensorwise), and the torch backend's FP8 GEMM equals the
     one fed by the reference quantization bit for bit."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kpool_layers import precision
+    from kpool_layers.precision import policy as precision
     from kpool_layers.kernels import fp8_quant_triton as fused
 
     x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
@@ -101,7 +109,7 @@ def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
 
 
 def test_torch_backend_uses_the_fused_kernel_only_on_cuda():
-    from kpool_layers.precision import quantizer
+    from kpool_layers.precision.policy import quantizer
 
     assert quantizer("torch", torch.zeros(1)) is fp8.quantize
     assert quantizer("emulate", torch.zeros(1)) is fp8.quantize

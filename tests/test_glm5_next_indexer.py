@@ -1,6 +1,6 @@
 """Our KPool ``DSAIndexer`` against transformers' ``Glm5NextTextIndexer`` (GLM-5.3-Flash, the
 external oracle): a tiny random NoPE indexer with kpool 2, 4, 8 and the tail on and off, its config
-derived and its weights mapped by the import path (``recipes.hf_config``, ``recipes.hf_mapping``).
+derived and its weights mapped by the import path (``recipes.hf.config``, ``recipes.hf.mapping``).
 Both must select the same token set for every query, in a batch and packed as THD; selections may
 differ only where two pools tie at the top-k boundary, which is counted and printed."""
 
@@ -16,11 +16,11 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer  # noqa: E402
 
 from kpool_layers.config import GLMTransformerConfig  # noqa: E402
-from kpool_layers.hadamard import rotate_activation  # noqa: E402
-from kpool_layers.indexer import DSAIndexer, ScoredSelection  # noqa: E402
-from kpool_layers.kpool import kpool_topk  # noqa: E402
-from recipes.hf_config import model_config_from_hf  # noqa: E402
-from recipes.hf_mapping import layer_maps  # noqa: E402
+from kpool_layers.precision.hadamard import rotate_activation  # noqa: E402
+from kpool_layers.dsa.indexer import DSAIndexer, ScoredSelection  # noqa: E402
+from kpool_layers.dsa.kpool import kpool_topk  # noqa: E402
+from recipes.hf.config import model_config_from_hf  # noqa: E402
+from recipes.hf.mapping import layer_maps  # noqa: E402
 
 HIDDEN, Q_LORA, HEADS, HEAD_DIM, BATCH = 64, 32, 8, 32, 2
 HF_PREFIX = "model.layers.0.self_attn.indexer."

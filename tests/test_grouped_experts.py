@@ -1,4 +1,4 @@
-"""Grouped experts (``kpool_layers.grouped_experts``) against megatron's ``SequentialMLP``: output
+"""Grouped experts (``kpool_layers.moe.experts``) against megatron's ``SequentialMLP``: output
 and every gradient with the same weights (experts without tokens included), the grouped GEMM
 against a per-expert loop, checkpoint layout and loading both ways, the whole model through
 megatron's router and dispatcher, the FP8 recipes refused and the ``auto`` choice (FP8 numerics:
@@ -22,10 +22,10 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from kpool_layers import grouped_gemm
-from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.grouped_gemm import grouped_linear
-from kpool_layers.precision import PrecisionPolicy
+from kpool_layers.moe import grouped_gemm
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.moe.grouped_gemm import grouped_linear
+from kpool_layers.precision.policy import PrecisionPolicy
 
 U = 2.0**-24
 HIDDEN, FFN = 32, 16
@@ -346,7 +346,7 @@ def test_fp8_tensorwise_experts_are_refused_naming_the_key(single_rank_parallel_
 
 
 def test_auto_choice_is_gpu_with_the_supported_recipes():
-    from recipes.megatron_config import grouped_experts
+    from recipes.config.megatron import grouped_experts
 
     bf16, fp8_blockwise = PrecisionPolicy(), PrecisionPolicy(fp8=True)
     fp8_rowwise = PrecisionPolicy(fp8=True, recipe="rowwise")
@@ -364,16 +364,16 @@ def test_module_uses_the_public_grouped_mm_name_when_present():
 
 def test_tiny_model_loads_a_sequential_checkpoint_and_matches(single_rank_parallel_state, tmp_path):
     """glm5_tiny through megatron's router and allgather dispatcher: a dist checkpoint saved with
-    sequential experts loads into grouped ones (``recipes.checkpoint.load_weights``) and the
+    sequential experts loads into grouped ones (``recipes.checkpoint.store.load_weights``) and the
     logits and every parameter gradient agree (bounds as above; observed bit-equal on the CPU)."""
     from hydra import compose, initialize_config_dir
 
-    from recipes.checkpoint import load_weights
-    from recipes.distributed import register_resolvers
-    from recipes.megatron_config import to_transformer_config
-    from recipes.model import build_gpt_model
-    from recipes.schema import register_configs
-    from recipes.typed_config import to_config
+    from recipes.checkpoint.store import load_weights
+    from recipes.launch.distributed import register_resolvers
+    from recipes.config.megatron import to_transformer_config
+    from recipes.train.model import build_gpt_model
+    from recipes.config.schema import register_configs
+    from recipes.config.typed import to_config
     from tests.test_precision_profiles import CONF
 
     register_resolvers()
@@ -429,7 +429,7 @@ def tiny_logits_and_grads(models: dict[bool, torch.nn.Module]) -> tuple[dict[boo
 
 
 def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):
-    from kpool_layers.grouped_experts import check_resumable_experts, experts_module
+    from kpool_layers.moe.experts import check_resumable_experts, experts_module
     from tests.test_grouped_experts_dist import _moe_layer
 
     seq, grouped = _moe_layer(False, {}), _moe_layer(True, {})
@@ -448,7 +448,7 @@ def test_resuming_across_expert_modules_is_refused(single_rank_parallel_state):
 def test_expert_offsets_reach_the_gpu_without_a_host_sync() -> None:
     """megatron's dispatchers return the expert counts on the host; their copy to the GPU must not
     synchronize (CUDA's sync debug mode raises on a synchronizing copy)."""
-    from kpool_layers.grouped_gemm import _offsets
+    from kpool_layers.moe.grouped_gemm import _offsets
 
     counts = torch.tensor([3, 0, 5, 2])
     torch.cuda.synchronize()

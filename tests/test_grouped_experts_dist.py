@@ -18,7 +18,7 @@ from tests.conftest import free_port
 SETTINGS = ({"expert_model_parallel_size": 2}, {"expert_tensor_parallel_size": 2})
 
 
-def _moe_layer(grouped: bool, parallel: dict):  # noqa: ANN202 - megatron MoELayer
+def _moe_layer(grouped: bool, parallel: dict):
     import torch.nn.functional as F
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -36,7 +36,7 @@ def _moe_layer(grouped: bool, parallel: dict):  # noqa: ANN202 - megatron MoELay
     return builder(config=cfg, layer_number=1)
 
 
-def _grads(layer) -> dict[str, torch.Tensor]:  # noqa: ANN001
+def _grads(layer) -> dict[str, torch.Tensor]:
     """Parameter gradients by SequentialMLP's names (grouped weights split per local expert)."""
     out = {}
     for name, p in layer.named_parameters():
@@ -52,13 +52,13 @@ def _grads(layer) -> dict[str, torch.Tensor]:  # noqa: ANN001
 def _worker(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from kpool_layers.grouped_experts import GroupedExperts
+    from kpool_layers.moe.experts import GroupedExperts
     from tests.test_grouped_experts import _leaves
 
     dist.init_process_group("gloo", rank=rank, world_size=2)

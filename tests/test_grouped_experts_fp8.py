@@ -36,10 +36,11 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-from kpool_layers import fp8, grouped_gemm
-from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
-from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
+from kpool_layers.precision import fp8
+from kpool_layers.moe import grouped_gemm
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
+from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
 from tests.test_grouped_experts import config, gemm_tol, tiny_logits_and_grads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,10 +108,10 @@ def test_fp8_profiles_build_grouped_experts_and_map_their_roles(single_rank_para
     """The fp8 profiles pick grouped experts on GPUs (auto) and validate with them; a glm5_tiny FP8
     model built with them maps ``moe.expert_fc1/fc2`` as FP8 and computes what the
     ``SequentialMLP`` build computes (logits and every gradient bit-equal on the CPU)."""
-    from recipes.megatron_config import grouped_experts, to_transformer_config
-    from recipes.model import build_gpt_model
-    from recipes.precision_setup import precision_map, profile_policy
-    from recipes.schema import validate
+    from recipes.config.megatron import grouped_experts, to_transformer_config
+    from recipes.train.model import build_gpt_model
+    from recipes.observe.precision_map import precision_map, profile_policy
+    from recipes.config.rules import validate
     from tests.test_precision_profiles import _compose
 
     for profile in ("fp8", "serving_match"):
@@ -252,7 +253,7 @@ def test_kernel_refuses_mismatched_scales():
 @pytest.mark.gpu
 def test_fp8_grouped_gemm_kernel_on_gpu_against_reference_and_scaled_mm():
     from kpool_layers.kernels.fp8_grouped_gemm_triton import grouped_gemm as kernel
-    from kpool_layers.precision import _scaled_mm
+    from kpool_layers.precision.policy import _scaled_mm
 
     check_kernel("cuda", torch.bfloat16, 2.0**-13, 2.0**-9)
     # Per-expert ``_scaled_mm`` at this case's K = 320 only for blockwise (operands padded to 128):

@@ -1,5 +1,5 @@
 """The Triton Hadamard kernel (``kpool_layers.kernels.hadamard_triton``) against the torch butterfly
-(``kpool_layers.hadamard.hadamard_butterfly``): the same bits, signed zeros included, forward and
+(``kpool_layers.precision.hadamard.hadamard_butterfly``): the same bits, signed zeros included, forward and
 gradient (autograd of the butterfly), for fp32 / bf16 / fp16.
 
 On CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers.hadamard import hadamard_butterfly, hadamard_transform
+from kpool_layers.precision.hadamard import hadamard_butterfly, hadamard_transform
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -63,7 +63,7 @@ def cases(device: str, ns: tuple[int, ...] = (2, 16, 128)) -> list[tuple[str, to
     return [(name, x.to(device), gy.to(device)) for name, x, gy in out]
 
 
-def forward_and_gradient(fn, x: torch.Tensor, gy: torch.Tensor,  # noqa: ANN001
+def forward_and_gradient(fn, x: torch.Tensor, gy: torch.Tensor,
                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``fn(x, scale)`` and the gradient of ``(fn(x, scale) * gy).sum()`` w.r.t. ``x``."""
     x = x.detach().clone().requires_grad_()
@@ -78,7 +78,7 @@ def assert_same_bits(got: torch.Tensor, ref: torch.Tensor, where: str) -> None:
     assert differ == 0, f"{where}: {differ} of {ref.numel()} differ"
 
 
-def compare(device: str, fn=None, ns: tuple[int, ...] = (2, 16, 128)) -> None:  # noqa: ANN001
+def compare(device: str, fn=None, ns: tuple[int, ...] = (2, 16, 128)) -> None:
     """Assert ``fn`` (default: the Triton kernel) == the torch butterfly, bit for bit, forward and
     gradient, for every case and scale in {1, n ** -0.5}."""
     if fn is None:
@@ -204,7 +204,7 @@ def test_serving_index_quant_is_unchanged_by_the_kernel(monkeypatch):
     """``fp8.serving_index_quant``'s torch code (FP32 Hadamard of BF16-rounded values) gives the bits
     of the butterfly with the kernel. Its fused kernel (``tests/test_serving_quant_triton.py``) is
     turned off here, so that the Hadamard kernel is what runs."""
-    from kpool_layers import fp8
+    from kpool_layers.precision import fp8
     from kpool_layers.kernels import serving_quant_triton
 
     monkeypatch.setattr(serving_quant_triton, "supports", lambda x: False)

@@ -14,9 +14,9 @@ transformers = pytest.importorskip("transformers")
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
-from recipes.hf_io import dequantize_fp8, quantize_fp8  # noqa: E402
-from recipes.hf_mapping import IndexerRope, build_mapping  # noqa: E402
+from recipes.hf.config import hf_config_from_model, model_config_from_hf  # noqa: E402
+from recipes.hf.io import dequantize_fp8, quantize_fp8  # noqa: E402
+from recipes.hf.mapping import IndexerRope, build_mapping  # noqa: E402
 from scripts.convert_checkpoint import export_hf, import_hf, meta_sharded_state_dict, model_group  # noqa: E402
 from scripts.convert_checkpoint import _tensor_entries  # noqa: E402
 
@@ -57,11 +57,11 @@ def safetensors_of(directory: Path) -> dict[str, torch.Tensor]:
 def our_model(model_cfg, ckpt: Path):
     from omegaconf import OmegaConf
 
-    from recipes.checkpoint import load_weights
-    from recipes.megatron_config import to_transformer_config
-    from recipes.model import build_gpt_model
-    from recipes.schema import Config
-    from recipes.typed_config import to_config
+    from recipes.checkpoint.store import load_weights
+    from recipes.config.megatron import to_transformer_config
+    from recipes.train.model import build_gpt_model
+    from recipes.config.schema import Config
+    from recipes.config.typed import to_config
 
     cfg = to_config(OmegaConf.merge(OmegaConf.structured(Config),
                                     {"model": model_cfg, "precision": {"dtype": "fp32"}}))
@@ -161,7 +161,7 @@ def test_mapping_covers_every_model_tensor_with_mtp_kpool_and_indexshare(single_
 
 
 def test_indexer_rope_conversion_preserves_scores() -> None:
-    from kpool_layers.rope import Rotary
+    from kpool_layers.mla.rope import Rotary
 
     heads, head_dim, rope = 2, 8, 4
     rotary = Rotary(dim=rope, base=10000.0, yarn=False)

@@ -11,10 +11,10 @@ from megatron.core.transformer.experimental_attention_variant.dsa_masking import
 )
 
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.hadamard import rotate_activation
-from kpool_layers.indexer import DSAIndexer
-from kpool_layers.kpool import pool_layout
-from kpool_layers.topk import chunked_range_topk, index_scores, topk_lower_index_ties
+from kpool_layers.precision.hadamard import rotate_activation
+from kpool_layers.dsa.indexer import DSAIndexer
+from kpool_layers.dsa.kpool import pool_layout
+from kpool_layers.dsa.topk import chunked_range_topk, index_scores, topk_lower_index_ties
 
 
 def tiny_config(**overrides: object) -> GLMTransformerConfig:

@@ -11,9 +11,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa_masking import
     generate_varlen_mask_params,
 )
 
-from kpool_layers.indexer import DSAIndexer
-from kpool_layers.indexer_loss import indexer_kl_loss
-from kpool_layers.topk import index_scores
+from kpool_layers.dsa.indexer import DSAIndexer
+from kpool_layers.dsa.indexer_loss import indexer_kl_loss
+from kpool_layers.dsa.topk import index_scores
 from tests.test_indexer import tiny_config
 
 SCALE = 0.4
@@ -136,7 +136,7 @@ def test_mismatched_cu_seqlens_rejected(single_rank_parallel_state) -> None:
         indexer_kl_loss(indexer, out, main_q, main_k, SCALE, sparse=False)
 
 
-def reference_slot_mass(main_q, main_k, topk, key_start):  # noqa: ANN001, ANN201
+def reference_slot_mass(main_q, main_k, topk, key_start):
     """Each slot's attention probability summed over heads, [b, s, W] (what the Triton sparse-MLA
     forward returns with ``return_slot_probs``): softmax over the valid slots of every query."""
     s, b, n, _ = main_q.shape

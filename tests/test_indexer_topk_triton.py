@@ -22,8 +22,8 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from kpool_layers.kpool import pool_layout
-from kpool_layers.topk import chunked_range_topk
+from kpool_layers.dsa.kpool import pool_layout
+from kpool_layers.dsa.topk import chunked_range_topk
 
 ROOT = Path(__file__).resolve().parents[1]
 

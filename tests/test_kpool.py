@@ -11,10 +11,10 @@ import torch
 from megatron.core.transformer.module import Float16Module
 from torch.func import functional_call
 
-from kpool_layers.indexer import DSAIndexer
-from kpool_layers.indexer_loss import indexer_kl_loss
-from kpool_layers.kpool import kpool_select, kpool_topk, pool_keys, pool_layout
-from kpool_layers.topk import chunked_range_topk
+from kpool_layers.dsa.indexer import DSAIndexer
+from kpool_layers.dsa.indexer_loss import indexer_kl_loss
+from kpool_layers.dsa.kpool import kpool_select, kpool_topk, pool_keys, pool_layout
+from kpool_layers.dsa.topk import chunked_range_topk
 from tests.test_indexer import causal_topk, random_qkw, tiny_config
 
 

@@ -40,14 +40,15 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from kpool_layers import fp8
-from kpool_layers.hadamard import rotate_activation
-from kpool_layers.indexer import DSAIndexer, IndexerNumerics, RoutedProjections, ScoredSelection
-from kpool_layers.indexer_loss import indexer_kl_loss
-from kpool_layers.kpool import index_keys, kpool_select, kpool_topk, pool_keys, pool_layout
-from kpool_layers.precision import PrecisionPolicy
-from kpool_layers.topk import chunked_range_topk
-from recipes.drift_logging import Recorded, layer_drift
+from kpool_layers.precision import fp8
+from kpool_layers.precision.hadamard import rotate_activation
+from kpool_layers.dsa.indexer import DSAIndexer, ScoredSelection
+from kpool_layers.dsa.numerics import IndexerNumerics, RoutedProjections
+from kpool_layers.dsa.indexer_loss import indexer_kl_loss
+from kpool_layers.dsa.kpool import index_keys, kpool_select, kpool_topk, pool_keys, pool_layout
+from kpool_layers.precision.policy import PrecisionPolicy
+from kpool_layers.dsa.topk import chunked_range_topk
+from recipes.observe.drift import Recorded, layer_drift
 from tests.test_indexer import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -290,7 +291,7 @@ def test_loss_and_drift_finite_without_pools(single_rank_parallel_state, lengths
         grads = [p.grad for p in indexer.parameters() if p.grad is not None]
         assert grads and all(torch.isfinite(gr).all() for gr in grads)
         assert indexer.index_kpool_compress_gate.weight.grad.abs().sum() > 0
-    # Drift (recipes.drift_logging's per-layer path) against a recompute under the serving
+    # Drift (recipes.observe.drift's per-layer path) against a recompute under the serving
     # numerics (FP8 index inputs).
     serving = IndexerNumerics(projections=RoutedProjections(), k_norm_fp32=False, index_quant="ue8m0")
     recorded = Recorded({"hidden": hidden, "q_latent": latent, "rotary_fn": None, "cu_seqlens": cu},
@@ -312,7 +313,7 @@ def test_attention_layer_trains_on_short_rows(single_rank_parallel_state, cu, kp
     """The whole attention layer (rotary indexer, rotation on, indexer loss on) on rows whose
     documents are shorter than kpool (or partly so): forward and backward are finite, the
     recorded indexer loss is finite (0 where no query sees a pool: no KL term)."""
-    from kpool_layers.attention import collect_indexer_losses
+    from kpool_layers.mla.attention import collect_indexer_losses
     from tests.test_attention import build, thd
     from tests.test_attention import tiny_config as attention_config
 
@@ -407,7 +408,7 @@ def _run_interpreted() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
     from tests.conftest import free_port
 
     _cpu.install()
@@ -444,7 +445,7 @@ GPU_BACKENDS = ["triton", "tilelang"]
 
 
 def _gpu_range_topk(backend: str) -> Callable[..., torch.Tensor]:
-    from kpool_layers.dsa_kernels import range_topk_kernel
+    from kpool_layers.dsa.backends import range_topk_kernel
 
     if backend == "tilelang":
         pytest.importorskip("tilelang")

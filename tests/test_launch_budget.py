@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kpool_layers.rope import Rotary
+from kpool_layers.mla.rope import Rotary
 from tests.op_counts import OwnOps
 from tests.test_attention import build, tiny_config
 
@@ -17,7 +17,7 @@ from tests.test_attention import build, tiny_config
 class _Apply(torch.nn.Module):
     """A module around a rotary function, for :class:`OwnOps`."""
 
-    def __init__(self, rotate) -> None:  # noqa: ANN001
+    def __init__(self, rotate) -> None:
         super().__init__()
         self.rotate = rotate
 

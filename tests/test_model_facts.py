@@ -16,9 +16,9 @@ from megatron.core.transformer.experimental_attention_variant.dsa import (
 )
 
 from kpool_layers import model_facts
-from recipes.distributed import register_resolvers
-from recipes.schema import Config, register_configs
-from recipes.typed_config import to_config
+from recipes.launch.distributed import register_resolvers
+from recipes.config.schema import Config, register_configs
+from recipes.config.typed import to_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -76,7 +76,7 @@ def _compose(overrides: list[str]) -> Config:
 
 
 def test_config_methods_use_the_facts() -> None:
-    from recipes.megatron_config import to_transformer_config
+    from recipes.config.megatron import to_transformer_config
 
     tcfg = to_transformer_config(_compose(["model=glm5_2"]))
     assert [n for n in range(1, 79) if tcfg.computes_topk(n)] == model_facts.topk_layers(78, 4, 3)
@@ -100,9 +100,9 @@ SHAPES = [
 
 @pytest.mark.parametrize("overrides", SHAPES)
 def test_analytic_param_count_matches_the_meta_build(single_rank_parallel_state, overrides: list[str]) -> None:
-    from recipes.dry_run import analytic_param_count
-    from recipes.megatron_config import to_transformer_config
-    from recipes.model import build_gpt_model, count_parameters, meta_init
+    from recipes.plan.dry_run import analytic_param_count
+    from recipes.config.megatron import to_transformer_config
+    from recipes.train.model import build_gpt_model, count_parameters, meta_init
 
     cfg = _compose(["model=glm5_tiny", *overrides])
     tcfg = to_transformer_config(cfg)
@@ -114,6 +114,6 @@ def test_analytic_param_count_matches_the_meta_build(single_rank_parallel_state,
 def test_analytic_param_count_of_glm5_2() -> None:
     """The meta build's count (``train.dry_run=true model=glm5_2``: 753,329,921,024 total,
     41,841,744,896 active; the released checkpoint adds 19,456 expert-bias buffers)."""
-    from recipes.dry_run import analytic_param_count
+    from recipes.plan.dry_run import analytic_param_count
 
     assert analytic_param_count(_compose(["model=glm5_2"]).model) == (753_329_921_024, 41_841_744_896)

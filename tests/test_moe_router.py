@@ -1,4 +1,4 @@
-"""The fused router (``kpool_layers.moe_router``) against megatron's ``TopKRouter``: forward outputs
+"""The fused router (``kpool_layers.moe.router``) against megatron's ``TopKRouter``: forward outputs
 bit for bit (probs, routing map, expert-bias token counts, the tracker's load-balancing loss),
 gradients within a derived FP32 bound, ties, the configurations and calls it leaves to megatron,
 and its op budget (issue #12).
@@ -40,9 +40,9 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kpool_layers import moe_router
-from kpool_layers.moe_router import Balance, FusedTopKRouter, SigmoidTopKRouting, uncovered
-from kpool_layers.precision import PrecisionPolicy
+from kpool_layers.moe import router as moe_router
+from kpool_layers.moe.router import Balance, FusedTopKRouter, SigmoidTopKRouting, uncovered
+from kpool_layers.precision.policy import PrecisionPolicy
 from tests.conftest import free_port
 from tests.op_counts import OwnOps
 
@@ -231,7 +231,7 @@ def _tensor_parallel_worker(rank: int, port: int) -> None:
     TP x CP group and counts its tokens there."""
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
-    from kpool_layers import _cpu
+    from kpool_layers.compat import cpu as _cpu
 
     _cpu.install()
     from megatron.core import parallel_state as ps

@@ -1,4 +1,4 @@
-"""recipes.multi_tensor: torch's foreach kernels in megatron's multi-tensor seam (no TE / apex).
+"""kpool_layers.compat.multi_tensor: torch's foreach kernels in megatron's multi-tensor seam (no TE / apex).
 
 End to end, every run built by ``recipes.loop`` clips through them
 (``tests/test_train.py::test_resume_reproduces_the_uninterrupted_run`` reproduces a run bit for
@@ -13,7 +13,7 @@ import torch
 from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from recipes import multi_tensor
+from kpool_layers.compat import multi_tensor
 from tests.op_counts import NO_KERNEL
 
 EPS = torch.finfo(torch.float32).eps
@@ -26,7 +26,7 @@ class _Ops(TorchDispatchMode):
         super().__init__()
         self.names: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
         if func._overloadpacket.__name__ not in NO_KERNEL:
             self.names.append(func._overloadpacket.__name__)
         return func(*args, **(kwargs or {}))

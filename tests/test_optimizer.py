@@ -1,4 +1,4 @@
-"""recipes.optimizer: megatron's torch-Adam fallback switched to torch's fused AdamW at the build.
+"""recipes.train.optimizer: megatron's torch-Adam fallback switched to torch's fused AdamW at the build.
 
 End to end (a run through ``train.py`` on CPU uses the fused kernel, and a resume reproduces the
 uninterrupted run bit for bit with the fused per-parameter ``step`` tensors) is
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipes.optimizer import adam_step, fusable, inner_optimizers, use_fused_adam
+from recipes.train.optimizer import adam_step, fusable, inner_optimizers, use_fused_adam
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

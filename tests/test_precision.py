@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 
-from kpool_layers import fp8, precision
-from kpool_layers.precision import PrecisionPolicy, Role
-from recipes.precision_setup import profile_policy
+from kpool_layers.precision import fp8, policy as precision
+from kpool_layers.precision import fp8_format
+from kpool_layers.precision.policy import PrecisionPolicy, Role
+from recipes.observe.precision_map import profile_policy
 
 ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
 MLA = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.kv_up", "mla.out"}
@@ -80,7 +81,7 @@ def test_backend_resolution(monkeypatch):
     assert precision.resolve_backend(PrecisionPolicy(fp8=True)) == "torch"
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_emulate_forward_matches_quantize_dequantize(recipe):
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 5, 256, generator=g), torch.randn(192, 256, generator=g) * 0.05
@@ -92,7 +93,7 @@ def test_emulate_forward_matches_quantize_dequantize(recipe):
     assert not torch.equal(y, x @ w.t())  # quantization really happened
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backward_close_to_unquantized(recipe, dtype):
     g = torch.Generator().manual_seed(1)
@@ -121,7 +122,7 @@ def test_backward_is_straight_through():
     torch.testing.assert_close(w.grad, gy.t() @ fp8.emulate(x.detach(), "blockwise", "activation"), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 def test_zero_rows_give_empty_output_and_zero_weight_grad(recipe):
     # An MoE expert that receives no tokens runs its linears on [0, K] inputs.
     x = torch.zeros(0, 200, dtype=torch.bfloat16, requires_grad=True)
@@ -145,7 +146,7 @@ def _toy(policy: PrecisionPolicy) -> torch.nn.ModuleDict:
     """Role-tagged duplicated linears of a BF16 model under ``policy`` (seeded weights)."""
     from types import SimpleNamespace
 
-    from kpool_layers.linears import RoleDuplicatedLinear
+    from kpool_layers.precision.linears import RoleDuplicatedLinear
 
     config = SimpleNamespace(precision=policy, params_dtype=torch.bfloat16, use_cpu_initialization=True,
                              perform_initialization=True)
@@ -195,10 +196,10 @@ def _megatron_config(policy: PrecisionPolicy):
     return config
 
 
-def _parallel_linear(kind: str, config, role: str | None = None):  # noqa: ANN001, ANN202
+def _parallel_linear(kind: str, config, role: str | None = None):
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
+    from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear
 
     init = torch.nn.init.xavier_normal_
     torch.manual_seed(3)
@@ -244,7 +245,7 @@ def test_role_linear_refuses_what_its_gemm_does_not_do(single_rank_parallel_stat
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", fp8.RECIPES)
+@pytest.mark.parametrize("recipe", fp8_format.RECIPES)
 @pytest.mark.parametrize(
     "m,k,n",
     [(200, 512, 768), (37, 2048, 576), (64, 2048, 32), (5, 200, 40), (0, 2048, 1024)],

@@ -13,20 +13,21 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kpool_layers import fp8
-from kpool_layers.attention import KV_UP_NOTE
-from kpool_layers.indexer import (DSAIndexer, IndexerNumerics, PlainProjections, RoutedProjections,
-                                  ScoredSelection)
-from kpool_layers.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
-from kpool_layers.precision import PrecisionPolicy
-from kpool_layers.topk import ascending_selection, topk_lower_index_ties
-from recipes.distributed import register_resolvers
-from recipes.drift_logging import DriftMonitor, reference_numerics
-from recipes.megatron_config import to_transformer_config
-from recipes.model import build_gpt_model
-from recipes.precision_setup import PROFILES_DIR, precision_map, profile_policy
-from recipes.schema import ConfigError, register_configs, validate
-from recipes.typed_config import to_config
+from kpool_layers.precision import fp8
+from kpool_layers.mla.attention import KV_UP_NOTE
+from kpool_layers.dsa.indexer import DSAIndexer, ScoredSelection
+from kpool_layers.dsa.numerics import IndexerNumerics, PlainProjections, RoutedProjections, indexer_numerics
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleDuplicatedLinear, RoleRowParallelLinear
+from kpool_layers.precision.policy import PrecisionPolicy
+from kpool_layers.dsa.topk import ascending_selection, topk_lower_index_ties
+from recipes.launch.distributed import register_resolvers
+from recipes.observe.drift import DriftMonitor, reference_numerics
+from recipes.config.megatron import to_transformer_config
+from recipes.train.model import build_gpt_model
+from recipes.observe.precision_map import PROFILES_DIR, precision_map, profile_policy
+from recipes.config.schema import ConfigError, register_configs
+from recipes.config.rules import validate
+from recipes.config.typed import to_config
 from tests.test_indexer import tiny_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -248,5 +249,5 @@ def test_drift_references_are_the_profiles_numerics():
                                                               index_quant=None)
     assert reference_numerics("fp32", run) == IndexerNumerics(PlainProjections(fp32, fp32), k_norm_fp32=True,
                                                               index_quant=None)
-    assert profile_policy("serving_match").indexer_numerics == IndexerNumerics(
+    assert indexer_numerics(profile_policy("serving_match")) == IndexerNumerics(
         PlainProjections(bf16, fp32), k_norm_fp32=True, index_quant="ue8m0")

@@ -1,4 +1,4 @@
-"""recipes.preemption on CPU without SLURM: signals set the stop flag, ranks agree on it, and
+"""recipes.launch.preemption on CPU without SLURM: signals set the stop flag, ranks agree on it, and
 requeue() calls scontrol with the job id (a fake scontrol on PATH records its arguments)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.preemption import PreemptionGuard
+from recipes.launch.preemption import PreemptionGuard
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_signal_to_self_sets_should_stop(sig: str) -> None:
     proc = _run_python(
         f"""
         import os, signal
-        from recipes.preemption import PreemptionGuard
+        from recipes.launch.preemption import PreemptionGuard
         guard = PreemptionGuard()
         assert not guard.should_stop() and guard.signal_name is None
         os.kill(os.getpid(), signal.{sig})
@@ -65,7 +65,7 @@ def test_signal_not_in_list_keeps_default_action() -> None:
     proc = _run_python(
         """
         import os, signal
-        from recipes.preemption import PreemptionGuard
+        from recipes.launch.preemption import PreemptionGuard
         guard = PreemptionGuard(signals=("USR2",))
         os.kill(os.getpid(), signal.SIGUSR2)
         print(guard.should_stop(), guard.signal_name)
@@ -129,7 +129,7 @@ def test_failed_scontrol_is_logged_not_raised(
     monkeypatch.setenv("SLURM_JOB_ID", "7")
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setenv("SLURM_PROCID", "0")
-    with caplog.at_level(logging.ERROR, logger="recipes.preemption"):
+    with caplog.at_level(logging.ERROR, logger="recipes.launch.preemption"):
         assert PreemptionGuard(enabled=False).requeue() is False
     assert "fake failure" in caplog.text
     assert (tmp_path / "calls.txt").read_text().split() == ["requeue", "7"]
@@ -138,7 +138,7 @@ def test_failed_scontrol_is_logged_not_raised(
 _TWO_RANKS = """
 import json, os, signal, sys
 import torch.distributed as dist
-from recipes.preemption import PreemptionGuard
+from recipes.launch.preemption import PreemptionGuard
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 guard = PreemptionGuard()

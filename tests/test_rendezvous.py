@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from recipes import distributed
-from recipes.distributed import Topology
+from recipes.launch import distributed
+from recipes.launch.distributed import Topology
 
 
 @pytest.fixture

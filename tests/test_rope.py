@@ -1,4 +1,4 @@
-"""kpool_layers.rope against megatron-core's RotaryEmbedding / YarnRotaryEmbedding and its unfused
+"""kpool_layers.mla.rope against megatron-core's RotaryEmbedding / YarnRotaryEmbedding and its unfused
 ``_apply_rotary_pos_emb_bshd`` / ``_apply_rotary_pos_emb_thd`` (run on CPU through the shim)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.rope import Rotary, apply_rotary, document_positions, yarn_get_mscale
+from kpool_layers.mla.rope import Rotary, apply_rotary, document_positions, yarn_get_mscale
 
 _SINGLE_CP_RANK = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
 

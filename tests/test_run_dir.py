@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recipes.run_dir import find_unfinished, select_run
+from recipes.launch.run_dir import find_unfinished, select_run
 from tests.train_runner import metrics, run_train
 
 

@@ -1,5 +1,5 @@
 """The fused serving index quantization (``kpool_layers.kernels.serving_quant_triton``) against the
-torch reference ``kpool_layers.fp8.serving_index_quant``: the same values, dtype and shape for both
+torch reference ``kpool_layers.precision.fp8.serving_index_quant``: the same values, dtype and shape for both
 scale formats, every power-of-two ``d`` up to 128 and fp32 / bf16 / fp16 inputs.
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
@@ -31,9 +31,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
 from kpool_layers.kernels import hadamard_triton
-from kpool_layers.hadamard import hadamard_butterfly
+from kpool_layers.precision.hadamard import hadamard_butterfly
 
 ROOT = Path(__file__).resolve().parents[1]
 DS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -144,7 +145,7 @@ def coverage(x: torch.Tensor, scale_format: str) -> collections.Counter[str]:
     })
 
 
-def count_ops(fn, *args) -> list[str]:  # noqa: ANN001
+def count_ops(fn, *args) -> list[str]:
     """The aten ops (those that launch a kernel on a GPU: :data:`tests.op_counts.NO_KERNEL` excluded)
     that ``fn(*args)`` runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -154,7 +155,7 @@ def count_ops(fn, *args) -> list[str]:  # noqa: ANN001
     class Count(TorchDispatchMode):
         ops: list[str] = []
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
             if func._overloadpacket.__name__ not in NO_KERNEL:
                 self.ops.append(func._overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
@@ -173,7 +174,7 @@ def compare() -> dict:
     for d in DS:
         for dtype in DTYPES:
             for name, x in cases(d, dtype):
-                for scale_format in fp8.SCALE_FORMATS:
+                for scale_format in fp8_format.SCALE_FORMATS:
                     got = serving_index_quant_triton(x, scale_format)
                     ref = fp8.serving_index_quant(x, scale_format)
                     if not same(got, ref):
@@ -224,12 +225,12 @@ def test_fused_path_is_one_kernel_instead_of_the_reference_ops(interpreted: dict
 def test_rows_cover_every_rounding() -> None:
     """The rows reach each case the module docstring lists, for both formats; ``d = 128`` (served)
     on its own too."""
-    totals = {fmt: collections.Counter() for fmt in fp8.SCALE_FORMATS}
-    served = {fmt: collections.Counter() for fmt in fp8.SCALE_FORMATS}
+    totals = {fmt: collections.Counter() for fmt in fp8_format.SCALE_FORMATS}
+    served = {fmt: collections.Counter() for fmt in fp8_format.SCALE_FORMATS}
     for d in DS:
         for dtype in DTYPES:
             for name, x in cases(d, dtype)[:-1]:  # the last case repeats random rows
-                for fmt in fp8.SCALE_FORMATS:
+                for fmt in fp8_format.SCALE_FORMATS:
                     counts = coverage(x, fmt)
                     totals[fmt] += counts
                     if name == "random" and dtype != torch.float16:  # amax >= 1e-4: 2**-13 .. 2**60
@@ -286,7 +287,7 @@ def _reference_on_gpu(x: torch.Tensor, scale_format: str, monkeypatch: pytest.Mo
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scale_format", fp8.SCALE_FORMATS)
+@pytest.mark.parametrize("scale_format", fp8_format.SCALE_FORMATS)
 def test_kernel_matches_reference_on_gpu(scale_format: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """GLM-5-like shapes (index q ``[tokens, b, heads, 128]`` and keys ``[tokens, 128]``, bf16) and the
     interpreter's cases, through the routing of ``serving_index_quant``."""

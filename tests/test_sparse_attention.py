@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kpool_layers.sparse_attention import sparse_mla_attention
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
 
 def dense_masked_reference(query: torch.Tensor, latent_kv: torch.Tensor, topk: torch.Tensor,
@@ -185,7 +185,7 @@ def _cp_problem(s: int = 16, seed: int = 3):
     return query, latent, topk, key_start, grad_out
 
 
-def _local_run(query, latent, topk, key_start, grad_out, rows, chunk):  # noqa: ANN001, ANN202
+def _local_run(query, latent, topk, key_start, grad_out, rows, chunk):
     """A rank's call: its query rows, all keys; returns (out, dq, dkv)."""
     q = query.detach()[rows].requires_grad_()
     out = sparse_mla_attention(q, latent, topk[:, rows], 0.4, v_channels=8, chunk_size=chunk,

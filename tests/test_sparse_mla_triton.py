@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kpool_layers.sparse_attention import sparse_mla_attention
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
 pytest.importorskip("triton")
 

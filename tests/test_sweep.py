@@ -1,4 +1,4 @@
-"""recipes.sweep: sweep summary from job dirs, and end to end through a Hydra multirun."""
+"""recipes.observe.sweep: sweep summary from job dirs, and end to end through a Hydra multirun."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hydra.core.utils import JobReturn, JobStatus
 
-from recipes.sweep import find_job_dirs, record_job_result, write_summary
+from recipes.observe.sweep import find_job_dirs, record_job_result, write_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -135,7 +135,7 @@ def test_hydra_multirun_with_failing_job(tmp_path):
             dir: {tmp_path / "multirun"}
           callbacks:
             sweep_summary:
-              _target_: recipes.sweep.SweepSummaryCallback
+              _target_: recipes.observe.sweep.SweepSummaryCallback
         """))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "app.py", "-m", "x=1,2,3", "seed=5"], cwd=tmp_path,
@@ -161,7 +161,7 @@ def test_peak_memory_is_per_job_not_per_process() -> None:
     report the big one's peak."""
     import torch
 
-    from recipes.metrics import peak_memory_gib, reset_peak_memory
+    from recipes.observe.metrics import peak_memory_gib, reset_peak_memory
 
     cpu = torch.device("cpu")
     big = torch.ones(2**28 // 4 * 3)  # 768 MiB
@@ -174,8 +174,8 @@ def test_peak_memory_is_per_job_not_per_process() -> None:
 def test_wandb_keys_are_grouped_and_sweeps_share_a_group(tmp_path, monkeypatch):
     import wandb
 
-    from recipes.metrics import MetricsLogger
-    from recipes.schema import LoggingConfig, WandbMode
+    from recipes.observe.metrics import MetricsLogger
+    from recipes.config.schema import LoggingConfig, WandbMode
 
     logged, init = [], {}
 

@@ -1,4 +1,4 @@
-"""kpool_layers.token_dispatch: megatron's allgather token dispatch for local experts without host
+"""kpool_layers.moe.layer: megatron's allgather token dispatch for local experts without host
 synchronisations, and the same MoE layer output and gradients as megatron's."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kpool_layers.grouped_experts import GroupedExperts
-from kpool_layers.token_dispatch import GLMMoELayer, LocalTokenDispatcher
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.moe.layer import GLMMoELayer, LocalTokenDispatcher
 
 HIDDEN, EXPERTS, TOPK = 16, 6, 2
 
@@ -40,7 +40,7 @@ def config(**overrides: object) -> TransformerConfig:
     return TransformerConfig(**{**base, **overrides})
 
 
-def _experts(grouped: bool):  # noqa: ANN202 - a megatron experts builder
+def _experts(grouped: bool):
     if grouped:
         return GroupedExperts
     return partial(SequentialMLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
@@ -70,7 +70,7 @@ class _OwnOpNames(TorchDispatchMode):
             child.register_forward_pre_hook(lambda *_: setattr(self, "_inside", self._inside + 1))
             child.register_forward_hook(lambda *_: setattr(self, "_inside", self._inside - 1))
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN204
         if not self._inside and torch._C._current_autograd_node() is None:
             self.names.append(func._overloadpacket.__name__)
         return func(*args, **(kwargs or {}))

@@ -1,4 +1,4 @@
-"""Issue #13: the composed config is converted once (``recipes.typed_config.to_config``) after the
+"""Issue #13: the composed config is converted once (``recipes.config.typed.to_config``) after the
 validation, the recipes take the schema's dataclasses, and what is written down (the checkpoint
 manifest's and the wandb run's config) is the same dict as before the conversion."""
 
@@ -13,9 +13,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 import recipes.loop
-from recipes.checkpoint_manifest import read_manifest
-from recipes.schema import Config, DataConfig, DriftConfig, LoggingConfig, ModelConfig
-from recipes.typed_config import plain, to_config
+from recipes.checkpoint.manifest import read_manifest
+from recipes.config.schema import Config, DataConfig, DriftConfig, LoggingConfig, ModelConfig
+from recipes.config.typed import plain, to_config
 from tests.test_checkpoint_safety import CONF, FAST, _run
 
 Calls = dict[str, list[tuple[Any, ...]]]

@@ -1,4 +1,4 @@
-"""FP8 weights quantized once per step (``kpool_layers.weight_cache``): inside a step scope the
+"""FP8 weights quantized once per step (``kpool_layers.precision.weight_cache``): inside a step scope the
 micro-batches after the first reuse the weight's e4m3 form and its dequantized copy, with the same
 bits as quantizing every time; outside a scope, or for a weight changed in place, nothing stale is
 used; the trainer's forward-backward opens the scope.
@@ -15,10 +15,11 @@ from typing import Callable
 import pytest
 import torch
 
-from kpool_layers import fp8, grouped_gemm, weight_cache
-from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
-from recipes import cuda_graph
-from recipes.schema import FP8WeightCache, TrainConfig
+from kpool_layers.precision import fp8, weight_cache
+from kpool_layers.moe import grouped_gemm
+from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
+from recipes.train import cuda_graph
+from recipes.config.schema import FP8WeightCache, TrainConfig
 from tests.test_precision import _megatron_config, _parallel_linear, _profile
 
 
@@ -28,7 +29,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls:
     ``(name + ' into', operand)``."""
     inner: Callable = getattr(module, name)
 
-    def counted(q, scale_or_recipe, *args, **kwargs):  # noqa: ANN001, ANN202
+    def counted(q, scale_or_recipe, *args, **kwargs):
         operand = next(a for a in (*args, *kwargs.values()) if a in ("weight", "activation"))
         into = name == "dequantize" and len(args) + len(kwargs) >= 3
         calls[(name + " into" if into else name, operand)] += 1

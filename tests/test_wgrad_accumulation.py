@@ -1,4 +1,4 @@
-"""kpool_layers.wgrad_accumulation: megatron's gradient-accumulation fusion without apex.
+"""kpool_layers.compat.wgrad_accumulation: megatron's gradient-accumulation fusion without apex.
 
 End to end every training run uses it (``recipes.loop`` builds with ``ddp=True``; the training
 tests, resume bit-exactness included, run through it)."""
@@ -13,9 +13,10 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from kpool_layers import fp8, wgrad_accumulation
-from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear
-from kpool_layers.precision import LinearNumerics, PrecisionPolicy, Role
+from kpool_layers.precision import fp8
+from kpool_layers.compat import wgrad_accumulation
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear
+from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
 from tests.op_counts import OwnOps
 
 
@@ -56,7 +57,7 @@ def test_install_keeps_apex_where_it_is(monkeypatch: pytest.MonkeyPatch) -> None
 
 class _Pair(torch.nn.Module):
     """megatron's column- then row-parallel linear (an MLP without activation); with ``roles``
-    the role-tagged linears of ``kpool_layers.linears`` (``config.precision`` decides their GEMM)."""
+    the role-tagged linears of ``kpool_layers.precision.linears`` (``config.precision`` decides their GEMM)."""
 
     def __init__(self, config: TransformerConfig, roles: bool = False) -> None:
         super().__init__()

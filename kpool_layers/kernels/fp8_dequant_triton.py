@@ -1,7 +1,7 @@
 """Fused FP8 (e4m3) dequantization: ``float32(q) * scale`` and the rounding to the output dtype of
 one operand in one Triton kernel (the straight-through backward of the FP8 linears).
 
-:func:`dequantize` has the contract of :func:`kpool_layers.fp8.dequantize` (the reference, eager:
+:func:`dequantize` has the contract of :func:`kpool_layers.precision.fp8.dequantize` (the reference, eager:
 an FP32 copy, a multiply by the tile-expanded scales and a cast, each one kernel or more) and
 returns the same bits: every element is ``float32(q) * s`` (exact widening, one IEEE FP32
 multiply) rounded once to ``out_dtype`` (round to nearest even, torch's ``.to`` and Triton's
@@ -10,7 +10,7 @@ conversion on the GPU; Triton's interpreter truncates FP32 -> BF16, so the CPU t
 
 Layouts: ``q [..., K]`` float8_e4m3fn (leading dims flattened into rows ``M``; ``[N, K]`` for a
 weight) and ``scale`` FP32 ``[ceil(M / tile rows), ceil(K / tile cols)]`` as
-:func:`kpool_layers.fp8.quantize` returns them: blockwise 1x128 (activation) / 128x128 (weight),
+:func:`kpool_layers.precision.fp8.quantize` returns them: blockwise 1x128 (activation) / 128x128 (weight),
 rowwise 1xK (``[M, 1]``), tensorwise MxK (``[1, 1]``); returns ``out_dtype`` with ``q``'s shape.
 
 Programs own ``BLOCK_M`` rows of one ``BLOCK_K = 128``-column block, which is one blockwise scale
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8_format
 
 BLOCK_M = 32
 """Rows per program."""
@@ -55,18 +55,18 @@ def _dequantize_kernel(
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
-    recipe: fp8.Recipe,
-    operand: fp8.Operand,
+    recipe: fp8_format.Recipe,
+    operand: fp8_format.Operand,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """:func:`kpool_layers.fp8.dequantize` ``(q, scale, recipe, operand, out_dtype)`` in one kernel
+    """:func:`kpool_layers.precision.fp8.dequantize` ``(q, scale, recipe, operand, out_dtype)`` in one kernel
     on a CUDA tensor (or under ``TRITON_INTERPRET=1``): the same bits (module docstring)."""
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; allowed: {list(OUT_DTYPES)}")
     k = q.shape[-1]
     q2 = q.reshape(-1, k)
     m = q2.shape[0]
-    tr, tc = fp8._tile_shape(recipe, operand, m, k)
+    tr, tc = fp8_format.tile_shape(recipe, operand, m, k)
     expected = (triton.cdiv(m, tr), triton.cdiv(k, tc))
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:
         raise ValueError(f"scale must be FP32 {list(expected)} for a {recipe} {operand} of shape "
@@ -77,9 +77,9 @@ def dequantize(
     if q2.stride(-1) != 1:
         q2 = q2.contiguous()
     rows_scaled, cols_scaled = scale.shape[0] > 1, scale.shape[1] > 1  # cols_scaled: blockwise, tc = 128
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, fp8.BLOCK))
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, fp8_format.BLOCK))
     _dequantize_kernel[grid](
         q2, scale, out, m, k, q2.stride(0), out.stride(0),
         scale.stride(0) if rows_scaled else 0, scale.stride(1) if cols_scaled else 0,
-        ROW_TILE=tr if rows_scaled else 1, BLOCK_M=BLOCK_M, BLOCK_K=fp8.BLOCK, num_warps=4)
+        ROW_TILE=tr if rows_scaled else 1, BLOCK_M=BLOCK_M, BLOCK_K=fp8_format.BLOCK, num_warps=4)
     return out.reshape(q.shape)

@@ -9,7 +9,7 @@ expert):
 * ``x_q [T, K]`` float8_e4m3fn, rows of expert ``e`` contiguous and in expert order,
   ``tokens_per_expert [E]`` rows each (any integer dtype; empty experts allowed; on the host, as
   megatron's dispatchers give it, it is copied to the device, no device synchronisation);
-  ``x_s`` its FP32 scales as :func:`kpool_layers.fp8.quantize` gives them for ``operand=
+  ``x_s`` its FP32 scales as :func:`kpool_layers.precision.fp8.quantize` gives them for ``operand=
   "activation"``: ``[T, ceil(K / 128)]`` (blockwise, 1x128 tiles) or ``[T, 1]`` (rowwise);
 * ``w_q [E, N, K]`` float8_e4m3fn (``nn.Linear`` layout per expert), ``w_s`` the per-expert weight
   scales: ``[E, N / 128, ceil(K / 128)]`` (blockwise, 128x128 blocks; ``N`` a multiple of 128 so
@@ -43,10 +43,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers import fp8
-from kpool_layers.device_copy import to_device
+from kpool_layers.precision import fp8_format
+from kpool_layers.compat.device_copy import to_device
 
-BLOCK_K = fp8.BLOCK
+BLOCK_K = fp8_format.BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,12 +124,12 @@ def grouped_gemm(
     ``out_dtype=torch.float32`` stores the FP32 accumulator unrounded (the CPU tests: Triton's
     interpreter converts FP32 to BF16 by truncation, the GPU rounds to nearest even)."""
     (t, k), (e, n, k_w) = x_q.shape, w_q.shape
-    k_blocks = triton.cdiv(k, fp8.BLOCK)
+    k_blocks = triton.cdiv(k, fp8_format.BLOCK)
     w_rows = n // w_s.shape[1] if w_s.dim() == 3 and w_s.shape[1] else 0
     layouts_ok = (
         k_w == k and tokens_per_expert.shape == (e,)
         and x_s.shape in ((t, k_blocks), (t, 1))
-        and w_rows in (1, fp8.BLOCK) and w_s.shape == (e, n // w_rows, w_s.shape[2]) and n % w_rows == 0
+        and w_rows in (1, fp8_format.BLOCK) and w_s.shape == (e, n // w_rows, w_s.shape[2]) and n % w_rows == 0
         and w_s.shape[2] in (k_blocks, 1)
     )
     if not layouts_ok:

@@ -1,7 +1,7 @@
 """Fused FP8 (e4m3) quantization: amax, scale and cast of one operand in one Triton kernel (two for
 the tensorwise recipe, whose scale needs the whole tensor's amax first).
 
-:func:`quantize` has the contract and the numerics of :func:`kpool_layers.fp8.quantize` (the
+:func:`quantize` has the contract and the numerics of :func:`kpool_layers.precision.fp8.quantize` (the
 reference, used by the ``emulate`` backend) and returns the same bytes and scales:
 
 * scale ``s`` of a tile with absolute maximum ``a``: ``r = max(a, 1e-4) / 448`` (IEEE division),
@@ -10,7 +10,7 @@ reference, used by the ``emulate`` backend) and returns the same bytes and scale
   approximations could round ``log2`` differently next to an integer). Under
   ``TRITON_INTERPRET=1`` (CPU tests) they are numpy's, compared against torch's CPU ones;
 * ``q = e4m3(clamp(x / s, -448, 448))``: FP32 IEEE division, round to nearest even;
-* tiles as :func:`kpool_layers.fp8.quantize`: blockwise 1x128 (activation) / 128x128 (weight),
+* tiles as :func:`kpool_layers.precision.fp8.quantize`: blockwise 1x128 (activation) / 128x128 (weight),
   rowwise 1xK, tensorwise MxK; partial edge tiles use the amax of their own elements.
 
 Layouts: ``x [..., K]`` (activation; leading dims flattened into rows ``M``) or ``[N, K]``
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8_format
 
 ROW, TILE, AMAX, GLOBAL = 0, 1, 2, 3
 
@@ -99,12 +99,12 @@ def _quantize_kernel(
 
 def quantize(
     x: torch.Tensor,
-    recipe: fp8.Recipe,
-    operand: fp8.Operand,
-    scale_format: fp8.ScaleFormat = "ue8m0",
+    recipe: fp8_format.Recipe,
+    operand: fp8_format.Operand,
+    scale_format: fp8_format.ScaleFormat = "ue8m0",
     out_dtype: torch.dtype = torch.float8_e4m3fn,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`kpool_layers.fp8.quantize` in one fused kernel (two for ``tensorwise``) on a CUDA
+    """:func:`kpool_layers.precision.fp8.quantize` in one fused kernel (two for ``tensorwise``) on a CUDA
     tensor (or under ``TRITON_INTERPRET=1``): same ``(q, scale)`` bytes and values.
 
     ``out_dtype=torch.float32`` returns ``clamp(x / s, -448, 448)`` before the e4m3 rounding
@@ -112,15 +112,15 @@ def quantize(
     e4m3 subnormals, the GPU's ``cvt.rn.satfinite`` rounds to nearest even as torch does)."""
     if operand == "weight" and x.dim() != 2:
         raise ValueError(f"weight operand must be 2-D [N, K], got shape {tuple(x.shape)}")
-    if scale_format not in fp8.SCALE_FORMATS:
-        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8.SCALE_FORMATS)}")
+    if scale_format not in fp8_format.SCALE_FORMATS:
+        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8_format.SCALE_FORMATS)}")
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    tr, tc = fp8._tile_shape(recipe, operand, m, k)
+    tr, tc = fp8_format.tile_shape(recipe, operand, m, k)
     if x2.numel() == 0:
-        q, scale = fp8.quantize(x, recipe, operand, scale_format)
-        return q.to(out_dtype), scale
+        return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
+                torch.empty((triton.cdiv(m, tr), triton.cdiv(k, tc)), dtype=torch.float32, device=x.device))
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
@@ -136,10 +136,10 @@ def quantize(
         for mode in (AMAX, GLOBAL):
             _quantize_kernel[grid](x2, q, scale, amax, m, k, k, 1, grid[0], x2.stride(0), q.stride(0),
                                    MODE=mode, BLOCK_M=block_m, CHUNK=chunk, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=4)
-    elif tr == fp8.BLOCK:  # blockwise weight: one scale per 128x128 block
+    elif tr == fp8_format.BLOCK:  # blockwise weight: one scale per 128x128 block
         _quantize_kernel[(scale.shape[0], n_groups)](
-            x2, q, scale, scale, m, k, fp8.BLOCK, n_groups, 0, x2.stride(0), q.stride(0),
-            MODE=TILE, BLOCK_M=fp8.BLOCK, CHUNK=fp8.BLOCK, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=8)
+            x2, q, scale, scale, m, k, fp8_format.BLOCK, n_groups, 0, x2.stride(0), q.stride(0),
+            MODE=TILE, BLOCK_M=fp8_format.BLOCK, CHUNK=fp8_format.BLOCK, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=8)
     else:  # one scale per row of each group: blockwise activation (1x128), rowwise (1xK)
         chunk = min(triton.next_power_of_2(tc), 512)
         block_m = max(1, 4096 // chunk)

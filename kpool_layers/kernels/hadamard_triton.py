@@ -1,4 +1,4 @@
-"""The butterfly Hadamard transform of :func:`kpool_layers.hadamard.hadamard_transform` in one
+"""The butterfly Hadamard transform of :func:`kpool_layers.precision.hadamard.hadamard_transform` in one
 Triton kernel per direction, with the same bits as the PyTorch butterfly (forward and autograd).
 
 ``hadamard_triton(x, scale)``: ``x [..., n]`` (CUDA, or CPU under ``TRITON_INTERPRET=1``), fp32 /
@@ -172,17 +172,17 @@ def _launch(x: torch.Tensor, scale: float, reverse: bool) -> torch.Tensor:
 
 class _Hadamard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: ANN001
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
         return _launch(x, scale, reverse=False)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):  # noqa: ANN001, ANN205
+    def backward(ctx, grad: torch.Tensor):  # noqa: ANN205
         return _launch(grad, ctx.scale, reverse=True), None
 
 
 def hadamard_triton(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """:func:`kpool_layers.hadamard.hadamard_transform` ``(x, scale)`` in one kernel (and one for
+    """:func:`kpool_layers.precision.hadamard.hadamard_transform` ``(x, scale)`` in one kernel (and one for
     its gradient): the same bits (module docstring)."""
     return _Hadamard.apply(x, float(scale))

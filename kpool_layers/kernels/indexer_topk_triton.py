@@ -1,6 +1,6 @@
 """Lightning-indexer scoring and exact top-k selection in two Triton kernels.
 
-:func:`range_topk_triton` returns what :func:`kpool_layers.topk.chunked_range_topk` returns (same
+:func:`range_topk_triton` returns what :func:`kpool_layers.dsa.topk.chunked_range_topk` returns (same
 layouts, see there):
 
     q [t, h, d] (bf16 / fp16 / fp32), keys [n, d], weights [t, h], lo, hi int64 [t]
@@ -221,7 +221,7 @@ def range_topk_triton(
     Returns:
         int64 [t, topk]: the selected key indices in ascending order (ties to the lower index),
         then -1 for the empty slots.
-        Same contract as :func:`kpool_layers.topk.chunked_range_topk`; runs without grad.
+        Same contract as :func:`kpool_layers.dsa.topk.chunked_range_topk`; runs without grad.
     """
     t, h, d = q.shape
     n = keys.shape[0]

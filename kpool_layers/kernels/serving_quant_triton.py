@@ -1,4 +1,4 @@
-"""The serving engines' index q/k path (:func:`kpool_layers.fp8.serving_index_quant`) in one Triton
+"""The serving engines' index q/k path (:func:`kpool_layers.precision.fp8.serving_index_quant`) in one Triton
 kernel, with the same bits as the torch reference (about 18 aten ops plus the Hadamard kernel).
 
 ``serving_index_quant_triton(x, scale_format)``: ``x [..., d]`` (CUDA, or CPU under
@@ -10,11 +10,11 @@ A program loads ``ROWS = max(1, 4096 // d)`` rows as ``[ROWS, d]`` in FP32 (exac
 runs the reference's steps on each row, op by op:
 
 1. ``v = bf16(x)``: round to nearest even (nothing to round for bf16 input);
-2. the butterfly of :func:`kpool_layers.hadamard.hadamard_butterfly` in FP32 (``h = 1, 2, .., d/2``:
+2. the butterfly of :func:`kpool_layers.precision.hadamard.hadamard_butterfly` in FP32 (``h = 1, 2, .., d/2``:
    pairs ``(a, b) -> (a + b, a - b)``, FP32 adds; the stages of
    :mod:`kpool_layers.kernels.hadamard_triton`), then ``* fp32(d ** -0.5)`` in FP32 (torch casts the
    Python scalar to FP32) and ``v = bf16(...)``, round to nearest even;
-3. ``amax = max |v|`` over the row and the scale ``s`` of :func:`kpool_layers.fp8.compute_scale` by
+3. ``amax = max |v|`` over the row and the scale ``s`` of :func:`kpool_layers.precision.fp8.compute_scale` by
    :func:`kpool_layers.kernels.fp8_quant_triton._scale` (IEEE division; libdevice ``log2f`` /
    ``exp2f`` on the GPU as torch's CUDA ops, numpy's under the interpreter);
 4. ``y = clamp(v / s, -448, 448)`` (IEEE division) and ``q = e4m3(y)`` by :func:`_e4m3`, round to
@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kpool_layers import fp8
+from kpool_layers.precision import fp8_format
 from kpool_layers.kernels.fp8_quant_triton import _scale
 from kpool_layers.kernels.hadamard_triton import (
     _INTERPRETED,
@@ -70,7 +70,7 @@ from kpool_layers.kernels.hadamard_triton import (
     _widen,
 )
 
-MAX_D = fp8.BLOCK
+MAX_D = fp8_format.BLOCK
 """Largest channel count (the serving index path's quantization block)."""
 
 
@@ -117,11 +117,11 @@ def supports(x: torch.Tensor) -> bool:
     return fits(x, 1, MAX_D)
 
 
-def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8.ScaleFormat = "ue8m0") -> torch.Tensor:
-    """:func:`kpool_layers.fp8.serving_index_quant` ``(x, scale_format)`` in one kernel: the same
+def serving_index_quant_triton(x: torch.Tensor, scale_format: fp8_format.ScaleFormat = "ue8m0") -> torch.Tensor:
+    """:func:`kpool_layers.precision.fp8.serving_index_quant` ``(x, scale_format)`` in one kernel: the same
     values, dtype and shape (module docstring)."""
-    if scale_format not in fp8.SCALE_FORMATS:
-        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8.SCALE_FORMATS)}")
+    if scale_format not in fp8_format.SCALE_FORMATS:
+        raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8_format.SCALE_FORMATS)}")
     x2 = as_rows(x, "serving_index_quant_triton", 1, MAX_D)
     d = x2.shape[1]
     ue8m0 = scale_format == "ue8m0"

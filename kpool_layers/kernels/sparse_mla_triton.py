@@ -1,6 +1,6 @@
 """Deterministic Triton sparse absorbed-MLA attention (DeepSeek Sparse Attention), fwd and bwd.
 
-Same function as :func:`kpool_layers.sparse_attention.sparse_mla_attention`. Layouts:
+Same function as :func:`kpool_layers.dsa.sparse_attention.sparse_mla_attention`. Layouts:
   * ``query``        ``[s_q, b, n, d_k]`` absorbed queries, ``d_k = v_channels + tail`` (tail =
     rope dim, 0 without rope);
   * ``latent_kv``    ``[s_kv, b, 1, d_k]`` latent keys of the whole sequence, whose first
@@ -69,7 +69,7 @@ import triton.language as tl
 from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
 from kpool_layers.kernels.mla_tiles_triton import (
     LOG2E, load_rows, load_value_rows, pow2, scores, selected_slots)
-from kpool_layers.sparse_attention import check_layouts
+from kpool_layers.dsa.sparse_attention import check_layouts
 
 Layout = Literal["auto", "gather", "dense"]
 """Which kernels :func:`sparse_mla_triton` runs (see its docstring)."""

@@ -31,7 +31,7 @@ cover:
   tested on a GPU (``test_tilelang_sparse_mla_with_query_pos_matches_torch``).
 * The indexer: logits of at most ``chunk_size`` queries at a time (``[chunk, n]`` FP32, never
   ``[t, n]``), masked outside each query's ``[lo, hi)``, then ``torch.topk``. Ties among exactly
-  equal scores follow ``torch.topk`` (not the lower-index rule of :mod:`kpool_layers.topk`).
+  equal scores follow ``torch.topk`` (not the lower-index rule of :mod:`kpool_layers.dsa.topk`).
 
 Determinism: SparseMLA's forward and query gradient are bit-reproducible, its latent-key gradient
 is not (float atomics); see docs/kernels.md.
@@ -45,8 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kpool_layers.sparse_attention import check_layouts
-from kpool_layers.topk import ascending_selection
+from kpool_layers.dsa.sparse_attention import check_layouts
+from kpool_layers.dsa.topk import ascending_selection
 
 TILELANG_DIM = 576
 """Channels SparseMLA is specialised for (512 latent + 64 rope)."""
@@ -96,7 +96,7 @@ def megatron_sparse_mla() -> SparseMLAKernel:
 def sparse_mla_tilelang(query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
                         softmax_scale: float, *, v_channels: int, key_start: Optional[Tensor],
                         kernel: SparseMLAKernel, query_pos: Optional[Tensor] = None) -> Tensor:
-    """:func:`kpool_layers.sparse_attention.sparse_mla_attention`'s contract on ``kernel``.
+    """:func:`kpool_layers.dsa.sparse_attention.sparse_mla_attention`'s contract on ``kernel``.
 
     ``query [s_q, b, n, d]``, ``latent_kv [s_kv, b, 1, d]`` (``s_kv >= s_q``; ``s_kv == s_q``
     without ``query_pos``) with ``d`` 576 (GLM-5) or 512 (NoPE), ``v_channels`` 512,
@@ -126,7 +126,7 @@ def sparse_mla_tilelang(query: Tensor, latent_kv: Tensor, topk_indices: Tensor,
 
 def range_topk_tilelang(q: Tensor, keys: Tensor, weights: Tensor, lo: Tensor, hi: Tensor, *,
                         topk: int, relu: bool, chunk_size: int) -> Tensor:
-    """:func:`kpool_layers.topk.chunked_range_topk`'s contract (q [t, h, d], keys [n, d], weights
+    """:func:`kpool_layers.dsa.topk.chunked_range_topk`'s contract (q [t, h, d], keys [n, d], weights
     [t, h], lo/hi [t] -> int64 [t, topk], -1 = empty) on megatron-core's TileLang logits kernel
     (bf16 q/keys, FP32 weights and logits), ``chunk_size`` queries at a time."""
     from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_fwd import (

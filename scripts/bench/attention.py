@@ -41,7 +41,7 @@ from typing import Any, Callable
 
 import torch
 
-from kpool_layers import _cpu
+from kpool_layers.compat import cpu as _cpu
 from timing import init_single_rank, measure
 
 BACKENDS = ("torch", "tilelang", "triton", "triton_gather", "triton_dense", "megatron")
@@ -79,7 +79,7 @@ SMALL = Shape(heads=4, kv_lora=32, rope=16, index_heads=4, index_dim=16, topk=32
 def _sparse_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
     """``(query [s,1,n,d], kv [s,1,1,d], indices [1,s,W], scale) -> [s,1,n,v]`` of ``backend``."""
     if backend == "torch":
-        from kpool_layers.sparse_attention import sparse_mla_attention
+        from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
         return lambda q, kv, idx, scale: sparse_mla_attention(
             q, kv, idx, scale, v_channels=shape.kv_lora, chunk_size=shape.chunk)
@@ -122,7 +122,7 @@ def _topk_fn(backend: str, shape: Shape) -> Callable[..., torch.Tensor]:
                                        mask=mask, use_relu=True)[1][0]
 
         return naive
-    from kpool_layers.dsa_kernels import range_topk_kernel
+    from kpool_layers.dsa.backends import range_topk_kernel
 
     kernel = range_topk_kernel(backend.split("_")[0], shape.chunk if backend == "torch" else 4096)
     return lambda q, keys, weights, lo, hi, topk: kernel(q, keys, weights, lo, hi, topk=topk,
@@ -150,7 +150,7 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def bench_length(shape: Shape, s: int, backends: list[str], repeats: int, device: torch.device,
                  dtype: torch.dtype, peak_tflops: float) -> dict[str, Any]:
-    from kpool_layers.kpool import pool_layout
+    from kpool_layers.dsa.kpool import pool_layout
 
     cuda = device.type == "cuda"
     g = torch.Generator(device=device).manual_seed(s)

@@ -26,9 +26,9 @@ def write_synthetic(model: str, directory: Path) -> int:
     """Random bf16 HF checkpoint for conf/model/<model>.yaml; returns its size in bytes."""
     import torch
 
-    from recipes.hf_config import hf_config_from_model
-    from recipes.hf_io import HFWriter
-    from recipes.hf_mapping import build_mapping
+    from recipes.hf.config import hf_config_from_model
+    from recipes.hf.io import HFWriter
+    from recipes.hf.mapping import build_mapping
     from scripts.convert_checkpoint import meta_sharded_state_dict, model_group
 
     cfg = model_group(model)

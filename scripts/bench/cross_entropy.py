@@ -1,7 +1,7 @@
 """Benchmark the language-model loss over glm5_proxy's logits: megatron's unfused
 ``vocab_parallel_cross_entropy``, megatron's native fused one (``fused_vocab_parallel_cross_entropy``,
 torch.compile'd; what ``train.cross_entropy_fusion`` ran before) and ours
-(``kpool_layers.cross_entropy``, two Triton kernels), side by side in one run.
+(``kpool_layers.loss``, two Triton kernels), side by side in one run.
 
 Logits ``[s, b, V]`` = ``[4096, 1, 154880]`` (glm5_proxy: seq 4096, micro-batch 1) in bf16, random
 labels, forward + backward (the logit gradient for a random per-token loss gradient). ``ms``:
@@ -35,7 +35,7 @@ def losses() -> dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]]:
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
     from megatron.core.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
-    from kpool_layers.cross_entropy import vocab_parallel_cross_entropy as ours
+    from kpool_layers.loss import vocab_parallel_cross_entropy as ours
 
     group = dist.group.WORLD
     return {

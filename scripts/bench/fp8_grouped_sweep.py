@@ -28,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kpool_layers.grouped_gemm import grouped_linear  # noqa: E402
+from kpool_layers.moe.grouped_gemm import grouped_linear  # noqa: E402
 from kpool_layers.kernels import fp8_grouped_gemm_triton as fgg  # noqa: E402
 from kpool_layers.kernels import fp8_quant_triton  # noqa: E402
 from timing import out_and_config, routings  # noqa: E402 - sibling module (run as a script)

@@ -6,7 +6,7 @@ For every linear ``y [M, N] = x [M, K] @ w [N, K].T`` (``M`` = one micro-batch's
 median milliseconds (``triton.testing.do_bench``) of:
 
 * ``bf16``: forward + backward of ``x @ w.T`` in bf16 (three cuBLAS GEMMs: y, dx, dw);
-* ``fp8``: forward + backward of :func:`kpool_layers.precision.quantized_matmul` (blockwise,
+* ``fp8``: forward + backward of :func:`kpool_layers.precision.policy.quantized_matmul` (blockwise,
   ue8m0, ``torch`` backend), what the fp8 profile's linears run: the forward is an FP8 GEMM, the
   backward two bf16 GEMMs on the dequantized operands;
   both replayed as a CUDA graph, as the training step with ``train.cuda_graph_impl=full_iteration``
@@ -38,8 +38,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kpool_layers import fp8  # noqa: E402
-from kpool_layers.precision import _scaled_mm, dequantizer, quantized_matmul, quantizer  # noqa: E402
+from kpool_layers.precision import fp8_format  # noqa: E402
+from kpool_layers.precision.policy import _scaled_mm, dequantizer, quantized_matmul, quantizer  # noqa: E402
 from timing import out_and_config  # noqa: E402 - sibling module (run as a script)
 
 
@@ -113,7 +113,7 @@ def case(m: int, k: int, n: int) -> dict[str, Any]:
     out["dequant_w"] = do_bench(lambda: dequantize(wq, ws, "blockwise", "weight", torch.bfloat16))
     out["mm_dx"] = do_bench(lambda: g @ wd)
     out["mm_dw"] = do_bench(lambda: g.t() @ xd)
-    if m % fp8.BLOCK:
+    if m % fp8_format.BLOCK:
         out["fp8_gemm_bound"] = None  # the wgrad GEMM's reduction (tokens) must tile by 128
         return out
     gq, gs = quantize(g, "blockwise", "activation")  # dgrad: g in 1x128 tiles along N

@@ -38,9 +38,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton  # noqa: E402
-from kpool_layers.kpool import pool_keys, pool_layout  # noqa: E402
-from kpool_layers.topk import chunked_range_topk  # noqa: E402
+from kpool_layers.kernels.indexer_topk_triton import LaunchConfig, range_topk_triton
+from kpool_layers.dsa.kpool import pool_keys, pool_layout
+from kpool_layers.dsa.topk import chunked_range_topk
 
 HEADS, DIM, TOPK = 32, 128, 2048
 DEVICE = "cuda"
@@ -61,7 +61,7 @@ CHECK_CONFIGS = {  # the default, and 11/11/10-bit passes with 8 query chunks at
 }
 
 
-def inputs(t: int, kpool: int, cu: list[int], gen: torch.Generator):
+def inputs(t: int, kpool: int, cu: list[int], gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """q [t, h, d] bf16, keys [n, d] bf16 (pooled for kpool > 1), weights [t, h] FP32, lo, hi."""
     dev = DEVICE
     layout = pool_layout(t, kpool, torch.tensor(cu), device=dev)
@@ -75,7 +75,7 @@ def inputs(t: int, kpool: int, cu: list[int], gen: torch.Generator):
     return q, keys, w, layout.query_lo, layout.query_hi
 
 
-def exact_scores(q, keys, w, rows) -> torch.Tensor:
+def exact_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """FP64 ReLU scores [len(rows), n] of the given query rows."""
     out = []
     for part in rows.split(64):

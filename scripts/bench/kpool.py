@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from kpool_layers import _cpu
+from kpool_layers.compat import cpu as _cpu
 from timing import init_single_rank, measure
 
 
@@ -50,7 +50,7 @@ SMALL = Shape(hidden=64, q_lora=32, index_heads=4, index_dim=16, topk=32, rope=4
               main_heads=4, main_dim=24, chunk=64)
 
 
-def _config(shape: Shape, kpool: int, dtype: torch.dtype, kernels: str):
+def _config(shape: Shape, kpool: int, dtype: torch.dtype, kernels: str) -> "GLMTransformerConfig":
     from kpool_layers.config import GLMTransformerConfig
 
     return GLMTransformerConfig(
@@ -80,8 +80,8 @@ def _rotary(s: int, dim: int, device: torch.device, dtype: torch.dtype) -> Calla
 
 def bench_indexer(shape: Shape, s: int, kpool: int, kernels: str, repeats: int, device: torch.device,
                   dtype: torch.dtype) -> dict:
-    from kpool_layers.indexer import DSAIndexer
-    from kpool_layers.indexer_loss import indexer_kl_loss
+    from kpool_layers.dsa.indexer import DSAIndexer
+    from kpool_layers.dsa.indexer_loss import indexer_kl_loss
 
     torch.manual_seed(0)
     indexer = DSAIndexer(_config(shape, kpool, dtype, kernels), layer_number=1).to(device)

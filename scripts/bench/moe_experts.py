@@ -1,5 +1,5 @@
-"""Benchmark routed experts (megatron ``SequentialMLP`` vs ``kpool_layers.grouped_experts``, bf16
-and FP8) and FP8 operand quantization / dequantization (reference ``kpool_layers.fp8`` vs the fused
+"""Benchmark routed experts (megatron ``SequentialMLP`` vs ``kpool_layers.moe.experts``, bf16
+and FP8) and FP8 operand quantization / dequantization (reference ``kpool_layers.precision.fp8`` vs the fused
 Triton kernels).
 
 Experts, glm5_proxy's expert shape: 16 experts, hidden 2048, SwiGLU ffn 1024, 32,768 routed tokens
@@ -17,7 +17,7 @@ and one FP8 grouped GEMM per projection), with bf16 ``GroupedExperts`` beside th
 Quantization (part ``fp8_quant``): one ``[8192, 2048]`` bf16 operand per recipe (blockwise 1x128
 activation and 128x128 weight, rowwise, tensorwise), ue8m0 scales; ``bytes_equal`` checks the fused
 kernel against the reference. Cases ``dequantize ...``: the FP8 backward's dequantization of that
-operand back to bf16 (reference ``kpool_layers.fp8.dequantize`` vs the fused
+operand back to bf16 (reference ``kpool_layers.precision.fp8.dequantize`` vs the fused
 ``kpool_layers.kernels.fp8_dequant_triton``), bits compared. Times are ``triton.testing.do_bench``
 medians (ms). Needs CUDA (torch >= 2.10 with ``grouped_mm``, triton >= 3.6). Prints a table and
 writes JSON to ``--out``.
@@ -39,9 +39,10 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kpool_layers import fp8  # noqa: E402
-from kpool_layers.grouped_experts import GroupedExperts  # noqa: E402
-from kpool_layers.precision import PrecisionPolicy, Role  # noqa: E402
+from kpool_layers.precision import fp8  # noqa: E402
+from kpool_layers.precision import fp8_format  # noqa: E402
+from kpool_layers.moe.experts import GroupedExperts  # noqa: E402
+from kpool_layers.precision.policy import PrecisionPolicy, Role  # noqa: E402
 from timing import routings  # noqa: E402 - sibling module (run as a script)
 
 EXPERTS, HIDDEN, FFN, TOKENS, TOPK = 16, 2048, 1024, 32768, 4
@@ -66,7 +67,7 @@ def build_experts(policy: PrecisionPolicy | None = None) -> tuple[torch.nn.Modul
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from kpool_layers.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
+    from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
 
     model_parallel_cuda_manual_seed(1234)
     cfg = TransformerConfig(
@@ -134,7 +135,7 @@ def bench_quantization() -> list[dict[str, Any]]:
     torch.manual_seed(0)
     x = torch.randn(*QUANT_SHAPE, device="cuda", dtype=torch.bfloat16)
     rows = []
-    for recipe in fp8.RECIPES:
+    for recipe in fp8_format.RECIPES:
         for operand in ("activation", "weight") if recipe == "blockwise" else ("activation",):
             ref_q, ref_s = fp8.quantize(x, recipe, operand)
             q, s = fp8_quant_triton.quantize(x, recipe, operand)

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from recipes.schema import DriftConfig
+from recipes.config.schema import DriftConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ("bf16", "fp8", "serving_match")

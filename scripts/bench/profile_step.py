@@ -5,7 +5,7 @@
 
 Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one warm-up step, then
 ``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s and MFU from
-:class:`recipes.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
+:class:`recipes.observe.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
 memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernels run per step and per
 micro-batch, ``launches_*``; the host's calls that queue work, ``host_launches_*``: kernel, graph,
 copy and memset launches, which differ once a CUDA graph replays the step; the top operators by
@@ -45,13 +45,14 @@ from pathlib import Path
 import torch
 from torch.autograd import DeviceType
 
-import recipes.megatron_config
-import recipes.multi_tensor
-from recipes import data as data_lib
-from recipes import distributed, loop
-from recipes.cuda_graph import ForwardBackward, capture_stream
-from recipes.dry_run import flop_model
-from recipes.schema import Config, CudaGraphImpl
+import recipes.config.megatron
+import kpool_layers.compat.multi_tensor
+from recipes.train import data as data_lib
+from recipes.launch import distributed
+from recipes import loop
+from recipes.train.cuda_graph import ForwardBackward, capture_stream
+from recipes.plan.dry_run import flop_model
+from recipes.config.schema import Config, CudaGraphImpl
 from timing import compose_config  # sibling module (run as a script)
 
 
@@ -61,16 +62,16 @@ LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cu
 
 
 def _switch_off_multi_tensor() -> None:
-    recipes.multi_tensor.install = lambda: False  # megatron's per-tensor grad-norm / clip loops
+    kpool_layers.compat.multi_tensor.install = lambda: False  # megatron's per-tensor grad-norm / clip loops
 
 
 def _switch_off_wgrad_fusion() -> None:
-    recipes.megatron_config._wgrad_fusion = lambda ddp: False  # weight grads through DDP's add
+    recipes.config.megatron._wgrad_fusion = lambda ddp: False  # weight grads through DDP's add
 
 
 def _switch_off_fused_router() -> None:
-    import kpool_layers.moe_router
-    kpool_layers.moe_router.uncovered = lambda router: "profile_step --without fused_router"
+    import kpool_layers.moe.router
+    kpool_layers.moe.router.uncovered = lambda router: "profile_step --without fused_router"
 
 
 def _switch_off_serving_quant_kernel() -> None:
@@ -79,8 +80,8 @@ def _switch_off_serving_quant_kernel() -> None:
 
 
 def _switch_off_local_dispatch() -> None:
-    import kpool_layers.token_dispatch
-    kpool_layers.token_dispatch.local_dispatch = lambda config, dispatcher: "profile_step --without"
+    import kpool_layers.moe.layer
+    kpool_layers.moe.layer.local_dispatch = lambda config, dispatcher: "profile_step --without"
 
 
 WITHOUT: dict[str, Callable[[], None]] = {

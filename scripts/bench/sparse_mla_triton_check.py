@@ -3,7 +3,7 @@
 1. Correctness (bf16): GLM-5 shape (s=2048, n=64, d_k=576 = 512 latent + 64 rope, v=512, W=2048)
    and NoPE shape (d_k=v=512), plus a packed-document (THD) variant; relative errors
    ``||x - ref|| / ||ref||`` of out, dq, dkv against the fp32 torch reference
-   (``kpool_layers.sparse_attention``) on the same bf16 inputs, next to the bf16 torch path's.
+   (``kpool_layers.dsa.sparse_attention``) on the same bf16 inputs, next to the bf16 torch path's.
 2. Determinism: two Triton runs bit-identical (out, dq, dkv).
 3. Timing (``triton.testing.do_bench`` median) of forward and forward+backward at each ``--sizes``
    (n=64, W=2048, GLM-5 dims) for Triton and the torch path, with useful TFLOP/s
@@ -37,7 +37,7 @@ from triton.testing import do_bench
 
 from kpool_layers.kernels import sparse_mla_triton as smla
 from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
-from kpool_layers.sparse_attention import sparse_mla_attention
+from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
 TORCH_CHUNK = 512
 SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, st in variants]

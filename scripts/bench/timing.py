@@ -68,12 +68,12 @@ def routings(experts: int, rows: int) -> dict[str, torch.Tensor]:
 
 
 def compose_config(overrides: list[str]) -> Any:
-    """The typed config (``recipes.schema.Config``) ``train.py`` composes from ``overrides``."""
+    """The typed config (``recipes.config.schema.Config``) ``train.py`` composes from ``overrides``."""
     from hydra import compose, initialize_config_dir
 
-    from recipes.distributed import register_resolvers
-    from recipes.schema import register_configs
-    from recipes.typed_config import to_config
+    from recipes.launch.distributed import register_resolvers
+    from recipes.config.schema import register_configs
+    from recipes.config.typed import to_config
 
     register_resolvers()
     register_configs()

@@ -1,0 +1,1 @@
+"""Where megatron-core meets the machine: running without CUDA, host-to-device copies, and the fills for megatron's optional apex/TE seams (weight-gradient accumulation into DDP buffers, multi-tensor norm and scale)."""

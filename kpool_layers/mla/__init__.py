@@ -1,0 +1,1 @@
+"""Multi-head latent attention: the absorbed MLA layer and its rotary embedding."""

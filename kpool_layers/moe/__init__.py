@@ -1,0 +1,1 @@
+"""Mixture of experts: the MoE layer (token dispatch), the router, the grouped experts and their grouped GEMMs."""

@@ -1,0 +1,429 @@
+"""Precision policy for GLM-5.x training and the FP8 linear backends that carry it out.
+
+* :class:`PrecisionPolicy` - the ``precision`` config group (but ``drift``) as one frozen value:
+  the model dtype, which linear *role* (:class:`Role`) runs quantized and in which dtype, and the
+  indexer's numerics (:func:`kpool_layers.dsa.numerics.indexer_numerics`). The profiles are the YAML files
+  of ``conf/precision``; the recipes build the policy once (:meth:`PrecisionPolicy.from_config`)
+  and keep it on the model's config (``GLMTransformerConfig.precision``).
+* :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
+  (:mod:`kpool_layers.precision.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
+  ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
+  backend; straight-through backward (fused Triton dequantization on ``torch``, :func:`dequantizer`).
+* :class:`LinearNumerics` - how the linear of one role computes under a policy; the role-tagged
+  linears of :mod:`kpool_layers.precision.linears` hold theirs from the build on.
+
+Layouts: activations ``x [..., K]`` (megatron passes ``[s, b, K]``), weights ``w [N, K]``
+(``nn.Linear`` / megatron layout, output partition first), outputs ``[..., N]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import typing
+from typing import Any, Callable, Optional
+
+import torch
+
+from kpool_layers.precision import fp8
+from kpool_layers.precision import fp8_format
+from kpool_layers.precision.fp8_format import Recipe, ScaleFormat
+from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
+from kpool_layers.compat.wgrad_accumulation import accumulate_into_main_grad
+
+class Role(str, enum.Enum):
+    """The fixed set of linear roles of a GLM-5.x model."""
+
+    MLA_Q_DOWN = "mla.q_down"
+    MLA_Q_UP = "mla.q_up"
+    MLA_KV_DOWN = "mla.kv_down"
+    MLA_KV_UP = "mla.kv_up"
+    MLA_OUT = "mla.out"
+    INDEXER_Q = "indexer.q"
+    INDEXER_K = "indexer.k"
+    INDEXER_WEIGHTS = "indexer.weights"
+    INDEXER_KPOOL_GATE = "indexer.kpool_gate"
+    MLP_FC1 = "mlp.fc1"
+    MLP_FC2 = "mlp.fc2"
+    MOE_EXPERT_FC1 = "moe.expert_fc1"
+    MOE_EXPERT_FC2 = "moe.expert_fc2"
+    MOE_SHARED_FC1 = "moe.shared_fc1"
+    MOE_SHARED_FC2 = "moe.shared_fc2"
+    MOE_ROUTER = "moe.router"
+    EMBEDDING = "embedding"
+    OUTPUT = "output"
+
+
+_MLA_ROLES = {Role.MLA_Q_DOWN, Role.MLA_Q_UP, Role.MLA_KV_DOWN, Role.MLA_KV_UP, Role.MLA_OUT}
+_INDEXER_QK_ROLES = {Role.INDEXER_Q, Role.INDEXER_K, Role.INDEXER_KPOOL_GATE}
+_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT}
+
+
+class DType(enum.StrEnum):
+    """A floating-point dtype of the precision keys (``precision.dtype``)."""
+
+    bf16 = "bf16"
+    fp32 = "fp32"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype it names."""
+        return torch.bfloat16 if self is DType.bf16 else torch.float32
+
+
+class WeightsProjDtype(enum.StrEnum):
+    """dtype of the indexer head-weights projection (``precision.dsa_indexer_weights_proj_dtype``)."""
+
+    fp32 = "fp32"
+    bf16 = "bf16"
+    inherit = "inherit"
+    """The model's dtype."""
+
+
+class Backend(enum.StrEnum):
+    """Where FP8 GEMMs run (``precision.backend``); :func:`resolve_backend` makes ``auto`` concrete."""
+
+    auto = "auto"
+    """``torch`` on an FP8 GPU, else ``emulate``."""
+    torch = "torch"
+    """``torch._scaled_mm`` / ``F.scaled_mm`` on a CUDA GPU with FP8 (sm_89+)."""
+    emulate = "emulate"
+    """FP32 GEMM of the quantize-dequantized operands, any device."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPolicy:
+    """The numerics of a run: the ``precision`` config group but ``drift``, field for field (the
+    schema ``recipes.config.schema.PrecisionConfig`` is made from these fields). Enum fields accept their
+    string values."""
+
+    name: str = "bf16"
+    """The profile (``conf/precision/<name>.yaml``) the policy was composed from."""
+    dtype: DType = DType.bf16
+    """Parameter and compute dtype of the model."""
+    fp8: bool = False
+    """Run the quantizable linears in FP8 (False = the model dtype everywhere)."""
+    recipe: Recipe = Recipe.blockwise
+    """FP8 scaling recipe."""
+    backend: Backend = Backend.auto
+    """Where the FP8 GEMMs run."""
+    scale_format: ScaleFormat = ScaleFormat.ue8m0
+    """FP8 scale format (training GEMMs and the serving-quantized index scoring)."""
+    dsa_indexer_qk_proj_disable_quantization: bool = False
+    """Keep the indexer q/k projections (and the KPool gate) unquantized."""
+    mla_proj_disable_quantization: bool = False
+    """Keep the MLA q/kv down/up and output projections unquantized."""
+    dsa_indexer_kpool_use_quantization: bool = False
+    """Score with :func:`kpool_layers.precision.fp8.serving_index_quant`-ed index q and (pooled) k."""
+    dsa_indexer_weights_proj_dtype: WeightsProjDtype = WeightsProjDtype.inherit
+    """dtype of the indexer head-weights projection."""
+    dsa_indexer_weights_proj_disable_quantization: bool = False
+    """Keep the indexer head-weights projection unquantized."""
+    dsa_indexer_k_norm_fp32: bool = False
+    """Compute the indexer key LayerNorm in FP32."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            kind = _field_types()[f.name]
+            if isinstance(kind, type) and issubclass(kind, enum.Enum):
+                object.__setattr__(self, f.name, _member(kind, f.name, getattr(self, f.name)))
+        if (
+            self.fp8
+            and self.dsa_indexer_weights_proj_dtype == WeightsProjDtype.fp32
+            and not self.dsa_indexer_weights_proj_disable_quantization
+        ):
+            raise ValueError(
+                "precision.dsa_indexer_weights_proj_dtype=fp32 with precision.fp8=true needs "
+                "precision.dsa_indexer_weights_proj_disable_quantization=true (an FP32 projection "
+                "cannot also be an FP8 GEMM)"
+            )
+
+    @classmethod
+    def from_config(cls, precision_cfg: Any) -> "PrecisionPolicy":
+        """The policy of a ``precision`` config node (a DictConfig or a schema object); its
+        ``drift`` settings are not part of the policy."""
+        return cls(**{f.name: getattr(precision_cfg, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """The model's parameter and compute dtype."""
+        return self.dtype.torch_dtype
+
+    def quantized(self, role: Role | str) -> bool:
+        """Whether the linear of ``role`` runs as an FP8 GEMM under this policy."""
+        role = Role(role)
+        if not self.fp8 or role in _NEVER_QUANTIZED:
+            return False
+        if role in _MLA_ROLES:
+            return not self.mla_proj_disable_quantization
+        if role in _INDEXER_QK_ROLES:
+            return not self.dsa_indexer_qk_proj_disable_quantization
+        if role is Role.INDEXER_WEIGHTS:
+            return not self.dsa_indexer_weights_proj_disable_quantization
+        return True
+
+    def compute_dtype(self, role: Role | str, params_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the linear of ``role`` computes in (inputs and output; an FP8 GEMM's
+        operands are quantized from / its output returned in this dtype) in a model whose
+        weights are ``params_dtype``."""
+        role = Role(role)
+        if role is Role.MOE_ROUTER:
+            return torch.float32
+        if role is Role.INDEXER_WEIGHTS and self.dsa_indexer_weights_proj_dtype != WeightsProjDtype.inherit:
+            return DType(self.dsa_indexer_weights_proj_dtype.value).torch_dtype
+        return params_dtype
+
+
+def _member(kind: type[enum.Enum], key: str, value: Any) -> Any:
+    """``kind``'s member of value ``value``; ``ValueError`` naming ``precision.<key>`` otherwise."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"precision.{key}={value!r} is not supported; "
+                         f"allowed: {[m.value for m in kind]}") from None
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """:class:`PrecisionPolicy`'s field types (its annotations are strings here)."""
+    return typing.get_type_hints(PrecisionPolicy)
+
+
+def _cuda_fp8_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def available_backends() -> list[Backend]:
+    """Concrete backends usable in this process, most preferred first."""
+    return [Backend.torch, Backend.emulate] if _cuda_fp8_available() else [Backend.emulate]
+
+
+def resolve_backend(policy: PrecisionPolicy) -> str:
+    """The backend ``policy``'s FP8 GEMMs run on: ``none`` without FP8, ``auto`` -> the first of
+    :func:`available_backends`; a concrete backend must be available."""
+    if not policy.fp8:
+        return "none"
+    available = available_backends()
+    if policy.backend == Backend.auto:
+        return available[0].value
+    if policy.backend not in available:
+        raise ValueError(
+            f"precision.backend={policy.backend.value!r} is not available here; "
+            f"available: {[b.value for b in available]}"
+        )
+    return policy.backend.value
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized GEMM
+# ---------------------------------------------------------------------------------------------
+
+
+def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+    """``t [R, C]`` padded at the end to ``[rows, cols]`` with ``value`` (no copy if no padding)."""
+    pad_r, pad_c = rows - t.shape[0], cols - t.shape[1]
+    if not (pad_r or pad_c):
+        return t
+    if t.dtype == torch.float8_e4m3fn:  # F.pad has no FP8 kernel: pad the bytes (0x00 is +0.0)
+        return _pad_to(t.view(torch.uint8), rows, cols).view(torch.float8_e4m3fn)
+    return torch.nn.functional.pad(t, (0, pad_c, 0, pad_r), value=value)
+
+
+def _ceil(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _scaled_mm(
+    xq: torch.Tensor, xs: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, recipe: str
+) -> torch.Tensor:
+    """FP8 GEMM on CUDA: ``xq [M, K]`` e4m3 (scales from :func:`fp8.quantize`, activation),
+    ``wq [N, K]`` e4m3 (weight scales) -> BF16 ``[M, N]``, FP32 accumulation.
+
+    ``torch._scaled_mm`` wants ``mat2`` column-major (``wq.t()`` of a row-major weight is) and
+    M, K, N multiples of 16; ``F.scaled_mm``'s BlockWise1x128 / BlockWise128x128 want multiples of
+    128. Operands are zero-padded up to those multiples (GLM-5's ``mla.kv_down`` has N = 576, the
+    indexer weights N = 32) and the output sliced back: padded K columns are zero in both operands,
+    so they add nothing; padded rows / columns are dropped. The quantization tiles are unchanged
+    (:func:`fp8.quantize` already scales partial edge tiles by their own amax), so the result equals
+    the emulate backend's up to FP32 accumulation order. Scale layouts: 1x128 scales
+    ``[M, K/128]`` column-major, 128x128 scales ``[ceil4(K/128), N/128]`` column-major with the K
+    blocks padded to a multiple of 4 (the layout of torch's own OpInfo samples for these recipes)."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    if m == 0:  # e.g. an MoE expert that received no tokens
+        return xq.new_zeros((0, n), dtype=torch.bfloat16)
+    align = fp8_format.BLOCK if recipe == "blockwise" else 16
+    mp, kp, np_ = _ceil(m, align), _ceil(k, align), _ceil(n, align)
+    a = _pad_to(xq.contiguous(), mp, kp)
+    mat_b = _pad_to(wq.contiguous(), np_, kp).t()  # column-major B [Kp, Np]
+    if recipe == "tensorwise":
+        out = torch._scaled_mm(a, mat_b, xs.reshape(()), ws.reshape(()), out_dtype=torch.bfloat16)
+    elif recipe == "rowwise":
+        sa = _pad_to(xs.reshape(m, 1), mp, 1, value=1.0)
+        sb = _pad_to(ws.reshape(n, 1), np_, 1, value=1.0).reshape(1, np_).contiguous()
+        out = torch._scaled_mm(a, mat_b, sa, sb, out_dtype=torch.bfloat16)
+    else:
+        F = torch.nn.functional
+        sa = _pad_to(xs, mp, kp // fp8_format.BLOCK, value=1.0).t().contiguous().t()  # [Mp, Kp/128] col-major
+        sb = _pad_to(ws, np_ // fp8_format.BLOCK, _ceil(kp // fp8_format.BLOCK, 4), value=1.0)
+        out = F.scaled_mm(
+            a, mat_b, sa, F.ScalingType.BlockWise1x128, sb.t(), F.ScalingType.BlockWise128x128,
+            output_dtype=torch.bfloat16,
+        )
+    return out[:m, :n]
+
+
+def _fused_kernels(backend: str, x: torch.Tensor) -> bool:
+    """Whether ``backend`` quantizes and dequantizes operands on ``x``'s device with the fused
+    Triton kernels: ``torch`` on CUDA."""
+    return backend == "torch" and x.is_cuda
+
+
+def quantizer(backend: str, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """How ``backend`` quantizes operands on ``x``'s device: the fused Triton kernel
+    (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for tensorwise)
+    where :func:`_fused_kernels`, otherwise :func:`kpool_layers.precision.fp8.quantize`; both give the same
+    bytes and scales."""
+    if _fused_kernels(backend, x):
+        from kpool_layers.kernels import fp8_quant_triton
+
+        return fp8_quant_triton.quantize
+    return fp8.quantize
+
+
+def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """How ``backend`` dequantizes e4m3 operands ``q`` on their device, ``(q, scale, recipe,
+    operand, out_dtype) -> out_dtype``: the fused Triton kernel
+    (:mod:`kpool_layers.kernels.fp8_dequant_triton`, one kernel) where :func:`_fused_kernels`,
+    otherwise :func:`kpool_layers.precision.fp8.dequantize`; both give the same bits."""
+    if _fused_kernels(backend, q):
+        from kpool_layers.kernels import fp8_dequant_triton
+
+        return fp8_dequant_triton.dequantize
+    return fp8.dequantize
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
+    computed in ``x``'s dtype from the operands kept as e4m3 + scales, dequantized straight into
+    that dtype (:func:`dequantizer`); inside :func:`kpool_layers.precision.weight_cache.step_scope` the
+    weight's e4m3 and dequantized forms are kept for the step's later micro-batches. With
+    ``accumulate_wgrad`` ``dw`` goes straight into ``w.main_grad``
+    (:func:`kpool_layers.compat.wgrad_accumulation.accumulate_into_main_grad`: FP32 accumulation, the
+    product not rounded to ``x``'s dtype)."""
+
+    @staticmethod
+    def forward(ctx, x, w, recipe, backend, scale_format, accumulate_wgrad):  # noqa: ANN001, ANN205
+        x2 = x.reshape(-1, x.shape[-1])
+        quantize = quantizer(backend, x)
+        xq, xs = quantize(x2, recipe, "activation", scale_format)
+        qw = quantized_weight(w, recipe, scale_format, lambda: quantize(w, recipe, "weight", scale_format))
+        wq, ws = qw.q, qw.scale
+        if backend == "torch":
+            y = _scaled_mm(xq, xs, wq, ws, recipe)
+        else:
+            y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
+        ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
+        ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
+        ctx.recipe, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, backend, x.shape, x.dtype, w.dtype
+        ctx.weight = w if accumulate_wgrad else None
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        xq, xs, wq, ws = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
+        dequantize = dequantizer(ctx.backend, xq)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype,
+                                       lambda: dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype))
+            grad_x = (g @ w_deq).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            x_deq = dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
+            if ctx.weight is not None:
+                grad_w = accumulate_into_main_grad(ctx.weight, x_deq, g)
+            else:
+                grad_w = (g.t() @ x_deq).to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None
+
+
+def quantized_matmul(
+    x: torch.Tensor, w: torch.Tensor, recipe: str, backend: str, scale_format: str = "ue8m0",
+    accumulate_wgrad: bool = False,
+) -> torch.Tensor:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` (x's dtype) with both operands e4m3-quantized under
+    ``recipe``; ``backend`` is ``torch`` (CUDA FP8 GEMM) or ``emulate`` (FP32 GEMM of the
+    dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`);
+    ``accumulate_wgrad``: ``w`` is a parameter with megatron DDP's ``main_grad``, which receives
+    the weight gradient directly."""
+    _member(Recipe, "recipe", recipe)
+    _member(ScaleFormat, "scale_format", scale_format)
+    if backend not in (Backend.torch, Backend.emulate):
+        raise ValueError(f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}")
+    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format, accumulate_wgrad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The numerics of one linear
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearNumerics:
+    """How the linear of ``role`` computes ``x @ w.T`` under ``policy``: an FP8 GEMM
+    (:attr:`quantized`; the policy's recipe, scale format and backend) or a GEMM in
+    :meth:`dtype`. Decided against the weight's dtype when the linear runs (a model cast after the
+    build computes as its weights are). With ``note`` the linear's forward does not compute the
+    role: the module that owns it uses the weight itself, in ``owner_dtype`` (None: the weight's),
+    e.g. the absorbed MLA ``kv_up`` and the KPool indexer's head weights. ``accumulate_wgrad``
+    (megatron's ``gradient_accumulation_fusion``, on under the trainer's DDP): an FP8 GEMM of a
+    weight that has a ``main_grad`` adds its weight gradient straight into it, as megatron's
+    linears do for the unreplaced roles (:mod:`kpool_layers.compat.wgrad_accumulation`)."""
+
+    policy: PrecisionPolicy
+    role: Role
+    note: Optional[str] = None
+    owner_dtype: Optional[torch.dtype] = None
+    accumulate_wgrad: bool = False
+    _replaces: dict[torch.dtype, bool] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """:meth:`replaces_gemm` per weight dtype (asked at every forward)."""
+
+    def computed_by_owner(self, note: str, dtype: Optional[torch.dtype] = None) -> "LinearNumerics":
+        """These numerics for a linear whose forward never runs: its owner computes with the
+        weight in ``dtype`` (None: the weight's), for the reason ``note``."""
+        return LinearNumerics(self.policy, self.role, note, dtype)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the linear runs as an FP8 GEMM."""
+        return self.note is None and self.policy.quantized(self.role)
+
+    def dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
+        """The dtype the linear computes in, for a weight of ``weight_dtype``."""
+        if self.note is not None:
+            return self.owner_dtype or weight_dtype
+        return self.policy.compute_dtype(self.role, weight_dtype)
+
+    def replaces_gemm(self, weight_dtype: torch.dtype) -> bool:
+        """Whether the linear's forward must compute with these numerics instead of its base
+        class' GEMM (quantized, or a dtype other than the weight's)."""
+        if weight_dtype not in self._replaces:
+            self._replaces[weight_dtype] = self.note is None and (
+                self.quantized or self.dtype(weight_dtype) != weight_dtype)
+        return self._replaces[weight_dtype]
+
+    @functools.cached_property
+    def backend(self) -> str:
+        """The FP8 GEMMs' backend (:func:`resolve_backend`, resolved at the first use: a dry run
+        builds for another machine)."""
+        return resolve_backend(self.policy)
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        dtype = self.dtype(w.dtype)
+        if self.quantized:
+            accumulate = self.accumulate_wgrad and dtype == w.dtype and hasattr(w, "main_grad")
+            return quantized_matmul(x.to(dtype), w.to(dtype), self.policy.recipe, self.backend,
+                                    self.policy.scale_format, accumulate)
+        return x.to(dtype) @ w.to(dtype).t()

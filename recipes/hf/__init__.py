@@ -1,0 +1,1 @@
+"""Hugging Face interop: the HF config, the weight-name mapping and reading/writing HF checkpoints."""

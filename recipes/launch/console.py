@@ -1,0 +1,86 @@
+"""A quiet console: library warnings filtered, logs of other ranks kept in their log files, and
+config errors printed as one paragraph.
+
+Imports nothing heavy: ``train.py`` calls :func:`quiet` before megatron-core (or torch) is
+imported. Processes that megatron spawns (the checkpoint writer) re-run ``train.py``'s top level,
+so they get the same filters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import warnings
+from typing import Iterator
+
+_installed = False
+
+
+def env_rank() -> int:
+    """The global rank from torchrun (``RANK``) or srun (``SLURM_PROCID`` in a job step); 0 alone."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    if "SLURM_STEP_ID" in os.environ and "SLURM_PROCID" in os.environ:
+        return int(os.environ["SLURM_PROCID"])
+    return 0
+
+
+def quiet() -> None:
+    """Install the warning filters, once per process: on rank 0 megatron-core's notes about optional packages it does not find (Transformer Engine,
+    apex, absl), torch.distributed's deprecations and the CPU shim's non-leaf ``.grad`` access are
+    dropped. Other ranks show no warnings (rank 0 shows the same ones)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "No CUDA runtime"
+    if env_rank() != 0:
+        warnings.simplefilter("ignore")
+        return
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+
+
+class ConsoleFilter(logging.Filter):
+    """For the console handler (conf/config.yaml ``hydra.job_logging``): rank 0 shows its own
+    records and libraries' errors; other ranks only errors. Everything still goes to the rank's
+    log file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rank = env_rank()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            return True
+        library = record.name.split(".", 1)[0] in ("megatron", "torch", "wandb")
+        return self.rank == 0 and not library
+
+
+@contextlib.contextmanager
+def config_errors(exit_on_error: bool) -> Iterator[None]:
+    """Print a :class:`recipes.config.schema.ConfigError` as one paragraph (rank 0) and exit with status
+    2, no traceback; with ``exit_on_error=False`` (a sweep job: the sweep lists it as failed) or
+    ``HYDRA_FULL_ERROR=1`` it propagates."""
+    from recipes.config.schema import ConfigError
+
+    try:
+        yield
+    except ConfigError as err:
+        if not exit_on_error or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        if env_rank() == 0:
+            print(f"Error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback.)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def duration(seconds: float) -> str:
+    """``1h02m03s`` / ``2m03s`` / ``3.4s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"

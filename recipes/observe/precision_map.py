@@ -1,0 +1,151 @@
+"""The precision map of a built GLM-5.x model, read from its modules' roles, and the profiles.
+
+The policy (``model.config.precision``, made from the ``precision`` group by
+``recipes.config.megatron``) is applied at the build: the layer specs build every linear as a
+role-tagged class that holds its role's numerics (``kpool_layers.precision.linears``). Here:
+
+* :func:`profile_policy` - the policy of a profile of ``conf/precision`` (the profiles' only
+  definition).
+* :func:`precision_map` / :func:`precision_rows` / :func:`report_precision` - the map (one row per
+  linear: ``module``, ``role``, ``quantized``, ``dtype``, ``backend``, ``note``) from each module's
+  ``role`` and ``numerics``, printed, saved as ``<run dir>/precision_map.json`` and put in the
+  wandb config.
+
+Two roles are not computed by their linear's forward, and the map says so in ``note`` (the owning
+module marks them at its build):
+
+* ``mla.kv_up`` (``kpool_layers.mla.attention.KV_UP_NOTE``): the absorbed MLA uses
+  ``linear_kv_up_proj.weight`` directly (split per head into ``W_uk`` / ``W_uv`` for batched
+  matmuls); its forward never runs, so it always computes in the model dtype, never FP8, whatever
+  the policy says.
+* ``indexer.weights`` with ``kpool > 1`` (``kpool_layers.dsa.indexer.KPOOL_WEIGHTS_NOTE``): the KPool
+  contract computes the head weights with an FP32 GEMM inside the indexer (docs/kpool.md), so it
+  is FP32 whatever the policy says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from megatron.core.transformer.moe.router import TopKRouter
+from omegaconf import OmegaConf
+
+from kpool_layers.dsa.core_attention import SparseMLACore
+from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.dsa.indexer import DSAIndexer
+from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, resolve_backend
+from recipes.config.schema import PrecisionConfig
+
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "conf" / "precision"
+"""The precision profiles, one ``<name>.yaml`` each (``precision=<name>``)."""
+
+_LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TopKRouter, torch.nn.Linear)
+
+NO_ROLE_NOTE = "no precision role: left as built"
+
+
+def profile_policy(name: str) -> PrecisionPolicy:
+    """The policy of profile ``name``: ``conf/precision/<name>.yaml`` over the schema defaults."""
+    profile = OmegaConf.load(PROFILES_DIR / f"{name}.yaml")
+    return PrecisionPolicy.from_config(OmegaConf.merge(OmegaConf.structured(PrecisionConfig), profile))
+
+
+def _strip(name: str) -> str:
+    """Module name without DDP / Float16Module ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _row(module: str, numerics: Optional[LinearNumerics], weight_dtype: torch.dtype, backend: str) -> dict[str, Any]:
+    """The map's row of the GEMM of a weight of ``weight_dtype`` with ``numerics`` (None: no role)."""
+    quantized = numerics is not None and numerics.quantized
+    return {
+        "module": _strip(module),
+        "role": numerics.role.value if numerics else None,
+        "quantized": quantized,
+        "dtype": str(numerics.dtype(weight_dtype) if numerics else weight_dtype).removeprefix("torch."),
+        "backend": backend if quantized else "none",
+        "note": numerics.note if numerics else NO_ROLE_NOTE,
+    }
+
+
+def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]:
+    """The precision map: one row per linear-like module of ``model`` (parallel linears,
+    ``nn.Linear``, embedding, router) and per stacked weight of grouped experts
+    (``<experts>.weight1`` / ``.weight2``) with ``module`` (wrapper prefixes removed), ``role`` (or
+    None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
+    rows, else ``"none"``) and ``note`` (why the linear's forward does not compute its role, else
+    None), from the module's ``role`` and ``numerics``."""
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            rows += [_row(f"{name}.{weight}", numerics, getattr(module, weight).dtype, backend)
+                     for weight, numerics in module.numerics.items()]
+        elif isinstance(module, _LINEAR_TYPES):
+            rows.append(_row(name, getattr(module, "numerics", None), module.weight.dtype, backend))
+    return rows
+
+
+def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """Rows of the DSA kernels (``model.dsa_kernels``) for the printed map beside
+    :func:`precision_rows`' linears: every layer's sparse MLA core attention (role
+    ``kernel.sparse_mla``) and indexer top-k (``kernel.indexer_topk``), ``backend`` = the kernel
+    backend, ``note`` = its determinism (docs/kernels.md)."""
+    rows = []
+    for name, module in model.named_modules():
+        if isinstance(module, SparseMLACore):
+            facts = module.facts
+            cuda = torch.cuda.is_available()
+            deterministic = facts.deterministic_cuda if cuda else facts.deterministic_cpu
+            note = "deterministic" if deterministic else f"not deterministic: {facts.nondeterministic_part}"
+            dtype = str(module.config.params_dtype).removeprefix("torch.")
+            rows.append({"module": _strip(name), "role": "kernel.sparse_mla", "quantized": False,
+                         "dtype": dtype, "backend": facts.name, "note": note})
+        elif isinstance(module, DSAIndexer):
+            rows.append({"module": _strip(name), "role": "kernel.indexer_topk", "quantized": False,
+                         "dtype": "float32", "backend": module.config.dsa_kernels,
+                         "note": "deterministic"})
+    return rows
+
+
+def precision_map(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """:func:`precision_rows` of a built model under its policy (``model.config.precision``), with
+    the backend resolved here."""
+    return precision_rows(model, resolve_backend(model.config.precision))
+
+
+def format_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Console lines of the map, one per role (layers collapsed) with the module count."""
+    groups: dict[tuple, int] = {}
+    for r in rows:
+        key = (r["role"] or re.sub(r"\.\d+\.", ".N.", r["module"]), r["quantized"], r["dtype"],
+               r["backend"], r["note"])
+        groups[key] = groups.get(key, 0) + 1
+    lines = []
+    for (role, quantized, dtype, backend, note), n in groups.items():
+        kind = (f"kernel {backend}" if str(role).startswith("kernel.")
+                else f"FP8 ({backend})" if quantized else "unquantized")
+        lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
+    return lines
+
+
+def report_precision(rows: list[dict[str, Any]], policy: PrecisionPolicy, run_dir: Path, logger: Any) -> None:
+    """Print the map of ``policy``, write ``run_dir/precision_map.json`` and add it to the wandb
+    config (``logger``: :class:`recipes.observe.metrics.MetricsLogger`; a no-op on non-logging ranks)."""
+    if not logger.enabled:
+        return
+    print(f"precision {policy.name}: backend {resolve_backend(policy)}", flush=True)
+    for line in format_rows(rows):
+        print(line, flush=True)
+    (run_dir / "precision_map.json").write_text(json.dumps(rows, indent=1))
+    logger.update_config({"precision_map": rows})

@@ -1,0 +1,160 @@
+"""Per-GPU memory of every pipeline stage, and whether it fits 80 / 141 / 192 GB GPUs.
+
+Parameters come from the meta-built model, layer by layer, so uneven stages and the embedding
+(first stage; also the last with MTP), output layer, final norm and MTP block (last stage) land on
+the right stage. Per rank: dense parameters / TP, expert parameters / (EP * expert TP); bf16 (or
+fp32) weights, fp32 main gradients (megatron DDP reduces in fp32) and 12 B of Adam state per
+parameter (fp32 master, m, v), divided by the data-parallel size with the distributed optimizer.
+
+Activations are an estimate, not a measurement: per token and layer ``34 * h / TP`` bytes
+(Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
+recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
+expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
+plus the last stage's logits (bf16 + fp32 for the loss). Under context parallelism a rank holds
+``seq_length / CP`` tokens of every micro batch, and every layer also keeps the whole row's keys it
+gathered from the CP ranks for backward: the latent KV (``kv_lora_rank + qk_pos_emb_head_dim``)
+and the indexer keys (``dsa_indexer_head_dim``, twice with the KPool gate). A stage fits a GPU if its total is at
+most :data:`USABLE` of the memory (CUDA context, NCCL buffers and fragmentation take the rest).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from torch import nn
+
+from kpool_layers.precision.policy import DType
+from recipes.config.pipeline_layout import stage_layers
+from recipes.config.schema import Config
+
+GPU_SIZES_GB = {"80 GB (A100/H100)": 80, "141 GB (H200)": 141, "192 GB (B200)": 192}
+USABLE = 0.9
+GIB = 2**30
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass
+class StageMemory:
+    """One pipeline stage's per-GPU memory (GiB)."""
+
+    stage: int
+    layers: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def _parameter_groups(model: nn.Module) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+    """(dense, expert) parameters per decoder layer, and of the embedding / head / MTP parts."""
+    layers: dict[int, list[int]] = {}
+    parts = {"embedding": [0, 0], "head": [0, 0], "mtp": [0, 0]}
+    for name, p in model.named_parameters():
+        slot = 1 if ".experts." in name else 0
+        match = _LAYER.match(name)
+        if match:
+            layers.setdefault(int(match[1]), [0, 0])[slot] += p.numel()
+        elif name.startswith("embedding."):
+            parts["embedding"][slot] += p.numel()
+        elif name.startswith("mtp."):
+            parts["mtp"][slot] += p.numel()
+        else:  # output_layer, decoder.final_layernorm
+            parts["head"][slot] += p.numel()
+    return [tuple(layers[i]) for i in sorted(layers)], {k: tuple(v) for k, v in parts.items()}
+
+
+@dataclass(frozen=True)
+class RankSizes:
+    """The parallel sizes a rank's share of the model depends on, and bytes per weight."""
+
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    dp: int  # data parallel (dense parameters' optimizer shards)
+    edp: int  # expert data parallel (expert parameters' optimizer shards)
+    weight_bytes: int
+    distributed_optimizer: bool
+
+    @classmethod
+    def of(cls, cfg: Config) -> "RankSizes":
+        p = cfg.parallelism
+        world = p.nodes * p.gpus_per_node
+        tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+        etp = p.expert_tensor_parallel_size or tp
+        return cls(tp, pp, ep, etp, dp=max(world // (tp * pp * p.context_parallel_size), 1),
+                   edp=max(world // (ep * etp * pp), 1),
+                   weight_bytes=2 if cfg.precision.dtype is DType.bf16 else 4,
+                   distributed_optimizer=p.use_distributed_optimizer)
+
+    @property
+    def adam_bytes_dense(self) -> float:
+        """fp32 master, m and v (12 B) per dense parameter on one rank."""
+        return 12 / (self.dp if self.distributed_optimizer else 1)
+
+    @property
+    def adam_bytes_expert(self) -> float:
+        return 12 / (self.edp if self.distributed_optimizer else 1)
+
+
+def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
+    """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
+    m, p, t = cfg.model, cfg.parallelism, cfg.train
+    r = RankSizes.of(cfg)
+    tp, pp, ep, etp, dp, wbytes = r.tp, r.pp, r.ep, r.etp, r.dp, r.weight_bytes
+    opt_dense, opt_expert = r.adam_bytes_dense, r.adam_bytes_expert
+    per_layer, parts = _parameter_groups(model)
+    sizes = stage_layers(m.num_layers, pp, p.num_layers_in_first_pipeline_stage,
+                         p.num_layers_in_last_pipeline_stage)
+    micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
+    cp = p.context_parallel_size
+    tokens = t.micro_batch_size * cfg.data.seq_length // cp  # this CP rank's
+    gathered = 0.0  # bytes per layer and micro batch: the whole row's keys gathered over CP
+    if cp > 1:
+        index_keys = m.dsa_indexer_head_dim * (2 if m.dsa_indexer_kpool > 1 else 1)
+        gathered = (t.micro_batch_size * cfg.data.seq_length * wbytes
+                    * (m.kv_lora_rank + m.qk_pos_emb_head_dim + index_keys))
+    stages, start = [], 0
+    for stage, count in enumerate(sizes):
+        groups = per_layer[start:start + count]
+        if stage == 0:
+            groups = groups + [parts["embedding"]]
+        if stage == pp - 1:
+            groups = groups + [parts["head"], parts["mtp"]] + ([parts["embedding"]] if m.mtp_num_layers and pp > 1 else [])
+        dense = sum(g[0] for g in groups) / tp
+        expert = sum(g[1] for g in groups) / (ep * etp)
+        moe_layers = sum(1 for g in per_layer[start:start + count] if g[1])
+        per_token = count * 34 * m.hidden_size / tp + moe_layers * 6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp
+        in_flight = min(pp - stage, micro_batches)
+        activations = (per_token * tokens + count * gathered) * in_flight
+        if stage == pp - 1:
+            activations += tokens * m.vocab_size / tp * 6
+        stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
+                                  (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB))
+        start += count
+    return stages
+
+
+def report(cfg: Config, model: nn.Module) -> list[str]:
+    """Console lines: each stage's memory, the largest, and the verdict per GPU size."""
+    p = cfg.parallelism
+    stages = plan(cfg, model)
+    lines = [f"per-GPU memory by pipeline stage at TP={p.tensor_model_parallel_size} "
+             f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} "
+             f"CP={p.context_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs (micro batch "
+             f"{cfg.train.micro_batch_size} x seq {cfg.data.seq_length}"
+             + (f", {cfg.data.seq_length // p.context_parallel_size} tokens per CP rank"
+                if p.context_parallel_size > 1 else "")
+             + "; activations estimated, see recipes/plan/memory_plan.py):"]
+    for s in stages:
+        lines.append(f"  stage {s.stage}: {s.layers} layers | weights {s.weights:.1f} | grads {s.grads:.1f} | "
+                     f"optimizer {s.optimizer:.1f} | activations {s.activations:.1f} | total {s.total:.1f} GiB")
+    worst = max(stages, key=lambda s: s.total)
+    verdicts = [f"{name}: {'fits' if worst.total * GIB <= USABLE * gb * 1e9 else 'does not fit'}"
+                for name, gb in GPU_SIZES_GB.items()]
+    lines.append(f"largest: stage {worst.stage}, {worst.total:.1f} GiB -> " + " | ".join(verdicts))
+    return lines

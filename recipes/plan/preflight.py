@@ -1,0 +1,79 @@
+"""Checks that run before the model is built, so that a run does not fail hours later at a save.
+
+* every size the build or a checkpoint divides by or allocates with is a positive integer (and a
+  multiple of TP where megatron splits it): ``model.ffn_hidden_size=0``, say, would train and then
+  crash in the final save;
+* the checkpoint directory is writable;
+* its file system has room for one more checkpoint, estimated from the parameter count.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from kpool_layers.precision.policy import DType
+from recipes.plan.dry_run import analytic_param_count
+from recipes.config.schema import Config, ConfigError
+
+_POSITIVE = ("ffn_hidden_size", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim",
+             "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_query_chunk_size",
+             "max_position_embeddings")
+_TP_SPLIT = ("ffn_hidden_size", "vocab_size")
+
+
+def check_sizes(cfg: Config) -> None:
+    """Raise :class:`ConfigError` naming the first size the build or a save cannot work with."""
+    m = cfg.model
+    tp = cfg.parallelism.tensor_model_parallel_size
+    for key in _POSITIVE:
+        value = getattr(m, key)
+        if value < 1:
+            raise ConfigError(f"model.{key}", value, "an integer >= 1 (it sizes weight tensors)")
+    if m.num_moe_experts:
+        if m.moe_ffn_hidden_size < 1:
+            raise ConfigError("model.moe_ffn_hidden_size", m.moe_ffn_hidden_size,
+                              "an integer >= 1 when model.num_moe_experts is set")
+        shared = m.moe_shared_expert_intermediate_size
+        if shared is not None and shared < 1:
+            raise ConfigError("model.moe_shared_expert_intermediate_size", shared,
+                              "null (no shared expert) or an integer >= 1")
+    for key in ("qk_pos_emb_head_dim", "mtp_num_layers"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}", getattr(m, key), "an integer >= 0")
+    for key in _TP_SPLIT:
+        value = getattr(m, key)
+        if value % tp:
+            raise ConfigError(f"model.{key}", value,
+                              f"a multiple of parallelism.tensor_model_parallel_size={tp} (split over TP)")
+
+
+def checkpoint_bytes(cfg: Config) -> int:
+    """Estimated size of one training checkpoint: the weights in the parameter dtype plus the
+    distributed optimizer's fp32 main weights and Adam's two fp32 moments."""
+    total, _ = analytic_param_count(cfg.model)
+    return total * ((2 if cfg.precision.dtype is DType.bf16 else 4) + 12)
+
+
+def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
+    """The checkpoint root (or its nearest existing parent) is writable and has ``need_bytes`` free."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / f".write-test-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError("train.save", str(root),
+                          f"a writable directory for checkpoints ({err.strerror or err})") from err
+    free = shutil.disk_usage(root).free
+    if free < need_bytes:
+        raise ConfigError("train.save", str(root),
+                          f"a directory with room for one checkpoint: ~{need_bytes / 2**30:.2f} GiB "
+                          f"needed, {free / 2**30:.2f} GiB free")
+
+
+def preflight(cfg: Config, root: Path) -> None:
+    """All checks; raises :class:`ConfigError` before anything is built."""
+    check_sizes(cfg)
+    if cfg.train.save_interval or cfg.train.save_final:
+        check_checkpoint_dir(root, checkpoint_bytes(cfg))

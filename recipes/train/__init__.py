@@ -1,0 +1,1 @@
+"""What a training step is made of: the model builder, data, data checks, the optimizer, CUDA graphs and non-finite handling."""
