@@ -49,7 +49,8 @@ def main() -> None:
     with console.config_errors(exit_on_error=True):
         check_overrides(args.overrides)
     if not (args.multirun or args.cfg or args.help or args.hydra_help or args.info):
-        first_line = select_run(args.overrides)
+        with console.config_errors(exit_on_error=True):
+            first_line = select_run(args.overrides)
         if console.env_rank() == 0:
             print(first_line, flush=True)
     _task()

@@ -34,6 +34,7 @@ from recipes import checkpoint as ckpt
 from recipes import data as data_lib
 from recipes import distributed
 from recipes import resume as resume_lib
+from recipes import run_owner
 from recipes.console import duration
 from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.data_checks import check_indexed_data
@@ -75,8 +76,23 @@ def _record(run_dir: Path, result: RunResult) -> None:
 def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = None,
         wandb_group: Optional[str] = None) -> float:
     """Train according to the ``composed`` config; returns the last step's loss (NaN for a dry
-    run). ``wandb_group``: the sweep's id when this run is a job of a sweep."""
+    run). ``wandb_group``: the sweep's id when this run is a job of a sweep. Rank 0 of a
+    training run owns ``run_dir`` (:mod:`recipes.run_owner`) from before anything in it is read
+    until the end."""
     topo = distributed.launcher_topology()
+    owner = run_owner.acquire(run_dir) if topo.rank == 0 and not composed.train.dry_run else None
+    if owner is not None and owner.took_over:
+        print(f"run directory {run_dir}: its previous owner ({owner.took_over}) ended without "
+              "releasing it; this process takes it over", flush=True)
+    try:
+        return _run_owned(composed, run_dir, topo, overrides, wandb_group)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
+               overrides: Optional[list[str]], wandb_group: Optional[str]) -> float:
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
