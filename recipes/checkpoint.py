@@ -36,6 +36,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from kpool_layers.grouped_experts import check_resumable_experts, experts_module
 from recipes.checkpoint_manifest import CheckpointError, read_manifest, write_manifest
+from recipes.nonfinite import check_weights_finite
 from recipes.optimizer import adam_step, inner_optimizers
 
 LATEST = "latest"
@@ -136,8 +137,12 @@ def _write_in_process() -> None:
 
 def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, scheduler: Any,
                     progress: Progress, keep: int, owner: Owner) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+    """Collective: every rank calls it. Returns the final checkpoint path. Weights with NaN/inf
+    are refused before anything is written (:func:`recipes.nonfinite.check_weights_finite`)."""
     root = Path(root)
+    previous = latest_checkpoint(root)
+    check_weights_finite(unwrap(model), progress.step,
+                         f"{previous} is the last saved state" if previous else f"nothing is saved in {root}")
     final = root / _name(progress.step)
     tmp = root / (final.name + ".tmp")
     if _is_rank0():

@@ -17,6 +17,7 @@ Field names of the ``model`` group are megatron-core's own (``TransformerConfig`
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ class Range:
     open_hi: bool = False
 
     def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):  # NaN compares False both ways; inf is no usable setting
+            return False
         above = self.lo is None or (value > self.lo if self.open_lo else value >= self.lo)
         below = self.hi is None or (value < self.hi if self.open_hi else value <= self.hi)
         return above and below
@@ -390,7 +393,7 @@ def check_ranges(cfg: DictConfig) -> None:
             node = getattr(node, part)
         allowed: Range = f.metadata["range"]
         if node is not None and node not in allowed:
-            kind = "an integer" if isinstance(f.default, int) else "a number"
+            kind = "an integer" if isinstance(f.default, int) else "a finite number"
             raise ConfigError(key, node, f"{kind} in {allowed}")
 
 
