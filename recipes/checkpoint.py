@@ -35,6 +35,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from kpool_layers.grouped_experts import check_resumable_experts, experts_module
+from recipes.checkpoint_lineage import check_save_target
 from recipes.checkpoint_manifest import CheckpointError, read_manifest, write_manifest
 from recipes.nonfinite import check_weights_finite
 from recipes.optimizer import adam_step, inner_optimizers
@@ -55,7 +56,8 @@ class Progress:
     consumed_samples: int = 0
 
 
-def _name(step: int) -> str:
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``."""
     return f"iter_{step:07d}"
 
 
@@ -138,12 +140,14 @@ def _write_in_process() -> None:
 def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, scheduler: Any,
                     progress: Progress, keep: int, owner: Owner) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint path. Weights with NaN/inf
-    are refused before anything is written (:func:`recipes.nonfinite.check_weights_finite`)."""
+    are refused before anything is written (:func:`recipes.nonfinite.check_weights_finite`), and
+    so is a step whose name another lineage's checkpoint holds (recipes.checkpoint_lineage)."""
     root = Path(root)
     previous = latest_checkpoint(root)
     check_weights_finite(unwrap(model), progress.step,
                          f"{previous} is the last saved state" if previous else f"nothing is saved in {root}")
-    final = root / _name(progress.step)
+    final = root / checkpoint_name(progress.step)
+    check_save_target(final, owner.lineage)  # never another run's checkpoint
     tmp = root / (final.name + ".tmp")
     if _is_rank0():
         root.mkdir(parents=True, exist_ok=True)

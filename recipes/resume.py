@@ -8,7 +8,8 @@
   complete checkpoint of that directory.
 * A run that saves and does not resume from a checkpoint of its own save directory
   (``resume=none``, or a checkpoint elsewhere) refuses a save directory that already holds
-  checkpoints, unless ``train.overwrite=true``.
+  checkpoints, unless ``train.overwrite=true``; even then no planned save may land on another
+  run's checkpoint (recipes.checkpoint_lineage): such a run is refused before it trains.
 * The saved config must agree with the current one in every shape-relevant key.
 """
 
@@ -24,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from recipes import checkpoint as ckpt
+from recipes.checkpoint_lineage import check_planned_saves, planned_steps
 from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest, verify
 from recipes.schema import Config
 from recipes.typed_config import plain
@@ -156,6 +158,8 @@ def plan_resume(cfg: Config, root: Path) -> ResumePlan:
     if path is not None:
         _check_config(path, manifest, current, resume=True, messages=messages)
     lineage = (manifest or {}).get("lineage") or uuid.uuid4().hex
+    start = int((manifest or {}).get("step", 0)) if path is not None else 0
+    check_planned_saves(root, [ckpt.checkpoint_name(s) for s in planned_steps(t, start)], lineage)
     return ResumePlan(root, path, ckpt.Owner(lineage, current), explicit, fallbacks, messages)
 
 
