@@ -50,6 +50,7 @@ from recipes.optimizer import build_optimizer
 from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
+from recipes.rank_agreement import check_ranks_agree
 from recipes.run_result import RunResult
 from recipes.schema import Config, CudaGraphImpl, validate
 from recipes.typed_config import plain, to_config
@@ -105,6 +106,7 @@ def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
         raise
     distributed.init_process_group(topo)
     try:
+        check_ranks_agree(plain(cfg))  # before any collective that depends on the config
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan
