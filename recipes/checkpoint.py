@@ -39,6 +39,7 @@ from recipes.checkpoint_lineage import check_save_target
 from recipes.checkpoint_manifest import CheckpointError, read_manifest, write_manifest
 from recipes.nonfinite import check_weights_finite
 from recipes.optimizer import adam_step, inner_optimizers
+from recipes.resume_schedule import follow_current_settings
 
 LATEST = "latest"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -269,6 +270,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any, schedul
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():  # restores in place into parameter (views) that require grad
         unwrap(model).load_state_dict(loaded["model"])
+        follow_current_settings(loaded["optimizer"], optimizer.param_groups)  # a changed train.lr
         optimizer.load_state_dict(loaded["optimizer"])
     scheduler.override_opt_param_scheduler = True  # the current config's schedule, saved position
     scheduler.load_state_dict(loaded["scheduler"])

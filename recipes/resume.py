@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 from recipes import checkpoint as ckpt
 from recipes.checkpoint_lineage import check_planned_saves, planned_steps
 from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest, verify
+from recipes.resume_schedule import schedule_notes
 from recipes.schema import Config
 from recipes.typed_config import plain
 
@@ -93,6 +94,8 @@ def _check_config(path: Path, manifest: Optional[dict[str, Any]], current: dict[
     messages += [f"config differs from {path.name} (current value used): {n}" for n in notes]
     saved_steps = (manifest["config"].get("train") or {}).get("steps")
     now_steps = (current.get("train") or {}).get("steps")
+    if resume:
+        messages += schedule_notes(manifest["config"], current)
     if resume and saved_steps is not None and saved_steps != now_steps:
         messages.append(f"train.steps changed {saved_steps} -> {now_steps}: the LR schedule is "
                         f"re-planned (warmup and decay over {now_steps} steps) from the saved step")

@@ -46,6 +46,7 @@ def _two_ranks(configs: list[dict], timeout_s: float = 60.0) -> dict[int, str]:
                 p.kill()
 
 
+@pytest.mark.dist
 def test_same_config_passes_and_different_configs_stop_every_rank_naming_the_keys() -> None:
     same = {"train": {"steps": 5, "lr": 0.003}, "model": {"num_layers": 2}}
     assert _two_ranks([same, same]) == {0: "ok", 1: "ok"}
@@ -63,6 +64,7 @@ def test_differing_keys_lists_only_keys_that_differ() -> None:
     assert differing_keys(flats) == {"b": [2, 3, 2], "c": ["<missing>", "<missing>", None]}
 
 
+@pytest.mark.dist
 def test_torchrun_ranks_with_different_configs_stop_before_training(tmp_path: Path) -> None:
     """The old bug: ranks with different configs (``train.steps`` 5 and 3) hung in a collective
     one of them never reached. Here each rank's ``train.seed`` and ``logging.run_name`` come from
