@@ -52,6 +52,7 @@ from recipes.hf_io import (  # noqa: E402
 )
 from recipes.hf_mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
 from recipes.checkpoint_manifest import code_version, verify, write_manifest  # noqa: E402
+from recipes.convert_checks import check_export_paths, check_single_checkpoint, one_line  # noqa: E402
 from recipes.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_YAML = "model.yaml"
@@ -235,6 +236,8 @@ def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | N
               fp8: bool = False, shard_bytes: int = 5 * 2**30, force: bool = False) -> None:
     """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json), one
     group (:func:`_hf_group`) in memory at a time."""
+    check_export_paths(ckpt, hf_out)
+    check_single_checkpoint(ckpt)
     with atomic_output_dir(hf_out, force) as tmp:
         _export_into(ckpt, tmp, model, fp8, shard_bytes)
 
@@ -284,10 +287,13 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
     args = parser.parse_args(argv)
     mmap_large_allocations()
-    if args.command == "import":
-        import_hf(args.hf, args.out, args.model, args.force)
-    else:
-        export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
+    try:
+        if args.command == "import":
+            import_hf(args.hf, args.out, args.model, args.force)
+        else:
+            export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
+    except Exception as err:  # noqa: BLE001 (every failure of a conversion: one line naming its file)
+        sys.exit(one_line(err))
 
 
 if __name__ == "__main__":
