@@ -58,12 +58,13 @@ class NonFiniteGuard:
         return False
 
 
-def check_weights_finite(module: torch.nn.Module, step: int, keeps: str) -> None:
+def check_weights_finite(module: torch.nn.Module, step: int, keeps: str, what: str = "") -> None:
     """Raise :class:`NonFiniteError` naming ``step`` and the first non-finite parameter when any
     parameter of ``module`` holds NaN/inf on any rank (collective; one fused max-abs norm per
     dtype group, ``torch._foreach_norm(ord=inf)``, and one host sync). Max-abs is NaN/inf exactly
     when the tensor holds a NaN/inf, and never overflows for a finite tensor. ``keeps``: what the
-    checkpoint root still holds, for the message (the refused state is never saved)."""
+    checkpoint root still holds, for the message (the refused state is never saved); ``what``:
+    whose weights, for the message (default: those after the update of ``step``)."""
     named = [(n, p) for n, p in module.named_parameters() if p.numel()]
     device = named[0][1].device if named else torch.device("cpu")
     bad_mask = torch.zeros(len(named), dtype=torch.bool, device=device)
@@ -80,7 +81,7 @@ def check_weights_finite(module: torch.nn.Module, step: int, keeps: str) -> None
         local = [named[i][0] for i in bad_mask.nonzero().flatten().tolist()]
         where = f"; this rank's first: {local[0]} ({len(local)} of {len(named)} here)" if local else ""
         raise NonFiniteError(
-            f"the weights after the update of step {step} are not finite ({total.item()} parameter "
+            f"{what or f'the weights after the update of step {step}'} are not finite ({total.item()} parameter "
             f"tensor(s) with NaN/inf over all ranks{where}): this state is not saved and `latest` "
             f"is not moved; {keeps}. Lower train.lr or check the data")
 

@@ -4,7 +4,8 @@
   multiple of TP where megatron splits it): ``model.ffn_hidden_size=0`` used to train and then
   crash in the final save;
 * the checkpoint directory is writable;
-* its file system has room for one more checkpoint, estimated from the parameter count.
+* its file system has room for the checkpoints the run will hold at once (``keep_checkpoints`` + the
+  one being written, less those already there), estimated from the parameter count.
 """
 
 from __future__ import annotations
@@ -55,8 +56,9 @@ def checkpoint_bytes(cfg: Config) -> int:
     return total * ((2 if cfg.precision.dtype is DType.bf16 else 4) + 12)
 
 
-def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
-    """The checkpoint root (or its nearest existing parent) is writable and has ``need_bytes`` free."""
+def check_checkpoint_dir(root: Path, checkpoint_size: int, count: int = 1) -> None:
+    """The checkpoint root (or its nearest existing parent) is writable and has room for ``count``
+    checkpoints of ``checkpoint_size`` bytes."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{uuid.uuid4().hex}"
@@ -66,9 +68,11 @@ def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
         raise ConfigError("train.save", str(root),
                           f"a writable directory for checkpoints ({err.strerror or err})") from err
     free = shutil.disk_usage(root).free
-    if free < need_bytes:
+    if free < checkpoint_size * count:
         raise ConfigError("train.save", str(root),
-                          f"a directory with room for one checkpoint: ~{need_bytes / 2**30:.2f} GiB "
+                          f"a directory with room for one checkpoint: ~{checkpoint_size / 2**30:.2f} GiB, "
+                          f"times {count} held at once (train.keep_checkpoints + the one being "
+                          f"written, less those present) = ~{checkpoint_size * count / 2**30:.2f} GiB "
                           f"needed, {free / 2**30:.2f} GiB free")
 
 
@@ -76,4 +80,12 @@ def preflight(cfg: Config, root: Path) -> None:
     """All checks; raises :class:`ConfigError` before anything is built."""
     check_sizes(cfg)
     if cfg.train.save_interval or cfg.train.save_final:
-        check_checkpoint_dir(root, checkpoint_bytes(cfg))
+        check_checkpoint_dir(root, checkpoint_bytes(cfg), checkpoints_to_fit(cfg, root))
+
+
+def checkpoints_to_fit(cfg: Config, root: Path) -> int:
+    """How many more checkpoints the file system must hold: ``train.keep_checkpoints`` are kept
+    and the next one is written before the oldest is pruned (``keep + 1`` at the peak), less the
+    complete ones already in ``root``; at least the one in progress."""
+    present = sum(1 for p in root.glob("iter_*") if p.is_dir() and ".tmp" not in p.name) if root.is_dir() else 0
+    return max(1, cfg.train.keep_checkpoints + 1 - present)

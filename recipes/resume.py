@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.api import CheckpointException  # a BaseExcept
 
 from recipes import checkpoint as ckpt
 from recipes.checkpoint_lineage import check_planned_saves, planned_steps
-from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest, verify
+from recipes.checkpoint_integrity import latest_name, predates_manifests, verify
+from recipes.checkpoint_manifest import CheckpointError, incompatibilities, read_manifest
+from recipes.nonfinite import check_weights_finite
 from recipes.resume_schedule import schedule_notes
 from recipes.schema import Config
 from recipes.typed_config import plain
@@ -106,9 +108,9 @@ def _auto(root: Path, messages: list[str]) -> tuple[Optional[Path], list[Path]]:
     latest = ckpt.latest_checkpoint(root)
     complete = ckpt.complete_checkpoints(root)
     if latest is None and complete:
-        marker = root / ckpt.LATEST
-        why = (f"`latest` names {marker.read_text().strip()!r}, which does not exist"
-               if marker.is_file() else "there is no `latest` marker")
+        name = latest_name(root)
+        why = (f"`latest` names {name!r}, which does not exist as a checkpoint directory in {root}"
+               if name is not None else "there is no `latest` marker")
         messages.append(f"{why}: taking the newest complete checkpoint {complete[0].name}")
     order = ([latest] if latest else []) + [c for c in complete if c != latest]
     for i, candidate in enumerate(order):
@@ -189,7 +191,11 @@ def resume(plan: ResumePlan, model: Any, optimizer: Any, scheduler: Any,
                 _check_config(path, read_manifest(path), plan.owner.config, resume=True, messages=notes)
                 for note in notes:
                     say(note)
-            return path, ckpt.load_checkpoint(path, model, optimizer, scheduler)
+            progress = ckpt.load_checkpoint(path, model, optimizer, scheduler)
+            if predates_manifests(path):  # unverified bytes: at least the weights are finite
+                check_weights_finite(ckpt.unwrap(model), progress.step, f"{path} predates manifests",
+                                     what=f"the weights loaded from {path} (step {progress.step})")
+            return path, progress
         except CheckpointError as err:
             failure: Exception = err
         except (Exception, CheckpointException) as err:  # megatron / torch DCP read errors
