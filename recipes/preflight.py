@@ -3,7 +3,8 @@
 * every size the build or a checkpoint divides by or allocates with is a positive integer (and a
   multiple of TP where megatron splits it): ``model.ffn_hidden_size=0`` used to train and then
   crash in the final save;
-* the checkpoint directory is writable;
+* the checkpoint directory is not ``/`` or a system directory (unless
+  ``train.save_in_system_dir=true``) and is writable;
 * its file system has room for the checkpoints the run will hold at once (``keep_checkpoints`` + the
   one being written, less those already there), estimated from the parameter count.
 """
@@ -56,6 +57,24 @@ def checkpoint_bytes(cfg: Config) -> int:
     return total * ((2 if cfg.precision.dtype is DType.bf16 else 4) + 12)
 
 
+SYSTEM_DIRS = tuple(Path(p) for p in ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64",
+                                       "/proc", "/sbin", "/sys", "/usr"))
+"""Directories of the operating system: checkpoints go there (or into ``/`` itself) only with
+``train.save_in_system_dir=true``."""
+
+
+def check_not_system_dir(root: Path, allowed: bool) -> None:
+    """Raise :class:`ConfigError` when ``root`` is ``/`` or inside :data:`SYSTEM_DIRS` and not
+    ``allowed``."""
+    resolved = root.resolve()
+    system = next((d for d in SYSTEM_DIRS if resolved == d or d in resolved.parents), None)
+    if not allowed and (resolved == Path("/") or system is not None):
+        where = "the file system root" if system is None else f"inside the system directory {system}"
+        raise ConfigError("train.save", str(root),
+                          f"a checkpoint directory outside / and {', '.join(map(str, SYSTEM_DIRS))} "
+                          f"({resolved} is {where}); set train.save_in_system_dir=true to save there anyway")
+
+
 def check_checkpoint_dir(root: Path, checkpoint_size: int, count: int = 1) -> None:
     """The checkpoint root (or its nearest existing parent) is writable and has room for ``count``
     checkpoints of ``checkpoint_size`` bytes."""
@@ -80,6 +99,7 @@ def preflight(cfg: Config, root: Path) -> None:
     """All checks; raises :class:`ConfigError` before anything is built."""
     check_sizes(cfg)
     if cfg.train.save_interval or cfg.train.save_final:
+        check_not_system_dir(root, cfg.train.save_in_system_dir)
         check_checkpoint_dir(root, checkpoint_bytes(cfg), checkpoints_to_fit(cfg, root))
 
 

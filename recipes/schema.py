@@ -297,6 +297,7 @@ class TrainConfig:
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
     # Checkpoint safety (issue #14; recipes/resume.py, recipes/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
+    save_in_system_dir: bool = False  # allow checkpoints in / or a system directory (recipes/preflight.py)
     nonfinite_skip: int = num(0, 0)  # steps with NaN/inf loss or grads skipped before the run stops
     # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/cuda_graph.py).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none

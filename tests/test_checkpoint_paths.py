@@ -79,3 +79,15 @@ def test_a_full_disk_mid_save_says_so_and_removes_the_partial_checkpoint(
         train(tmp_path / "run", "train.steps=1", "train.save_interval=1")
     assert [p.name for p in root.iterdir()] == []  # no iter_0000001.tmp, no latest
     assert shutil.disk_usage(tmp_path).free > 0
+
+
+@pytest.mark.parametrize("save", ["/", "/etc/kpool_ckpt", "/usr/../etc/kpool_ckpt"])
+def test_saving_into_the_root_or_a_system_directory_needs_an_opt_in(save: str) -> None:
+    """The old behaviour: ``train.save=/`` or ``/etc/...`` wrote there without a word."""
+    from recipes.preflight import check_not_system_dir, preflight
+
+    with pytest.raises(ConfigError, match="train.save_in_system_dir=true") as err:
+        preflight(to_config_of([f"train.save={save}"]), Path(save))
+    assert err.value.key == "train.save"
+    assert not Path("/etc/kpool_ckpt").exists()
+    check_not_system_dir(Path(save), allowed=True)  # the opt-in
