@@ -48,11 +48,14 @@ def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
 
 
 def _expects_manifest(directory: Path) -> bool:
+    """Whether the checkpoint's common state records :data:`MANIFEST_EXPECTED` (one small object
+    read from the dist checkpoint); an unreadable one counts as not, and the load then reports it."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
     try:
         common = dist_checkpointing.load_common_state_dict(str(directory))
-    except Exception:  # noqa: BLE001 (unreadable common state: the load reports it)
+    except (Exception, CheckpointException):  # noqa: BLE001
         return False
     return isinstance(common, dict) and bool(common.get(MANIFEST_EXPECTED))
 
