@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from kpool_layers import _cpu  # noqa: E402
 from recipes.hf_config import hf_config_from_model, model_config_from_hf  # noqa: E402
@@ -75,7 +76,11 @@ def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name
         path = ROOT / "conf" / "model" / f"{model}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"--model {model}: neither a yaml file nor conf/model/{model}.yaml")
-    return OmegaConf.merge(schema, OmegaConf.load(path))
+    try:
+        return OmegaConf.merge(schema, OmegaConf.load(path))
+    except OmegaConfBaseException as err:
+        raise ValueError(f"--model {path}: not a model config ({str(err).splitlines()[0]}); pass a "
+                         "conf/model name or a yaml file of the model group") from err
 
 
 def init_single_rank() -> None:

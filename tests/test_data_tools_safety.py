@@ -82,3 +82,37 @@ def test_drift_report_names_file_and_line_of_a_malformed_metrics_jsonl(
     with pytest.raises(SystemExit) as exited:
         _load_report_module().main([str(tmp_path)])
     assert str(exited.value.code).startswith(f"error: {tmp_path / 'metrics.jsonl'}:{line}: ")
+
+
+def test_truncated_or_missing_shards_are_named_before_converting(tmp_path: Path) -> None:
+    """The old bug: a 4-byte or truncated shard was a raw traceback (``struct.error``) found
+    mid-conversion; a missing shard failed only when its first tensor was read."""
+    import torch
+    from safetensors.torch import save_file
+
+    from recipes.hf_io import HFReader, SafetensorsFile
+
+    save_file({"a": torch.ones(64), "b": torch.zeros(8)}, str(tmp_path / "s1.safetensors"))
+    save_file({"c": torch.ones(4)}, str(tmp_path / "s2.safetensors"))
+    index = {"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors", "c": "s2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert HFReader(tmp_path).get("c").tolist() == [1.0] * 4
+    full = (tmp_path / "s1.safetensors").read_bytes()
+    (tmp_path / "s1.safetensors").write_bytes(full[:4])
+    with pytest.raises(ValueError, match=r"s1.safetensors: 4 bytes, too short"):
+        SafetensorsFile(tmp_path / "s1.safetensors")
+    (tmp_path / "s1.safetensors").write_bytes(full[:-16])  # the last 4 floats of "b" cut off
+    with pytest.raises(ValueError, match=rf"s1.safetensors: {len(full) - 16} bytes, its header describes {len(full)}"):
+        HFReader(tmp_path)  # at open, before any tensor is converted
+    (tmp_path / "s1.safetensors").write_bytes(full)
+    (tmp_path / "s2.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"s2.safetensors: missing \(listed in model.safetensors.index.json\)"):
+        HFReader(tmp_path)
+
+
+def test_a_yaml_that_is_not_a_model_config_is_named(tmp_path: Path) -> None:
+    from scripts.convert_checkpoint import model_group
+
+    train_yaml = Path(__file__).resolve().parents[1] / "conf" / "train" / "default.yaml"
+    with pytest.raises(ValueError, match=rf"--model {train_yaml}: not a model config \(Key 'steps' not in"):
+        model_group(str(train_yaml))
