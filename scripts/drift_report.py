@@ -242,6 +242,11 @@ def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Pa
     """Read the run, write the plots and ``drift_report.md`` to ``out``; returns the markdown path."""
     history, files = read_run(run_dir)
     series = drift_series(history, prefix)
+    if not series:
+        found = sorted({k.split("/", 1)[0] for row in history.values() for k in row if "/layer_" in k})
+        print(f"no '{prefix}/<metric>/layer_<i>' keys in {', '.join(map(str, files))}"
+              + (f"; per-layer prefixes found: {', '.join(found)} (--prefix)" if found else
+                 " (drift is logged when precision.drift.interval > 0)"), file=sys.stderr)
     out = out or (run_dir if run_dir.is_dir() else run_dir.parent) / "drift_report"
     out.mkdir(parents=True, exist_ok=True)
     for metric, layers in series.items():

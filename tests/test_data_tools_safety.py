@@ -116,3 +116,10 @@ def test_a_yaml_that_is_not_a_model_config_is_named(tmp_path: Path) -> None:
     train_yaml = Path(__file__).resolve().parents[1] / "conf" / "train" / "default.yaml"
     with pytest.raises(ValueError, match=rf"--model {train_yaml}: not a model config \(Key 'steps' not in"):
         model_group(str(train_yaml))
+
+
+def test_drift_report_with_an_unmatched_prefix_names_the_prefixes_found(tmp_path: Path, capsys) -> None:
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "dsa/topk_overlap/layer_1": 0.9}) + "\n")
+    assert _load_report_module().main([str(tmp_path), "--prefix", "dsx"]) == 0
+    err = capsys.readouterr().err
+    assert "no 'dsx/<metric>/layer_<i>' keys in" in err and "per-layer prefixes found: dsa (--prefix)" in err
