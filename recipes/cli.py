@@ -13,6 +13,7 @@ from recipes import console
 console.quiet()  # before megatron-core is imported (below, through recipes.schema)
 
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -24,7 +25,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes.config_keys import check_overrides  # noqa: E402
 from recipes.distributed import register_resolvers  # noqa: E402
-from recipes.run_dir import select_run  # noqa: E402
+from recipes.run_dir import run_root, select_run  # noqa: E402
+from recipes.run_owner import check_free  # noqa: E402
 from recipes.schema import register_configs  # noqa: E402
 
 register_resolvers()
@@ -51,6 +53,8 @@ def main() -> None:
     if not (args.multirun or args.cfg or args.help or args.hydra_help or args.info):
         with console.config_errors(exit_on_error=True):
             first_line = select_run(args.overrides)
+            if console.env_rank() == 0:  # before Hydra writes into a live run's directory
+                check_free(run_root() / os.environ["KPOOL_RUN_ID"])
         if console.env_rank() == 0:
             print(first_line, flush=True)
     _task()

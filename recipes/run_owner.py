@@ -72,23 +72,50 @@ class RunOwner:
         self._handle = None
 
 
+def _busy(run_dir: Path, handle: IO[str]) -> RunBusy:
+    handle.seek(0)
+    owner = handle.read().strip() or "another process"
+    handle.close()
+    return RunBusy("KPOOL_RUN_ID", run_dir.name, "a run directory no other process is using",
+                   f"run directory {run_dir} is in use by {owner} (it holds {run_dir / LOCK_FILE}). "
+                   f"Wait for that process to end (then rerun this command to continue the run), "
+                   f"or start another run: another KPOOL_RUN_ID, or train.resume=none with no "
+                   f"KPOOL_RUN_ID set")
+
+
+def _locked(handle: IO[str]) -> bool:
+    """Take the lock without blocking; ``False`` when another process holds it."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        return False
+    return True
+
+
+def check_free(run_dir: Path) -> None:
+    """Raise :class:`RunBusy` when a live process owns ``run_dir``; changes nothing (the launcher
+    calls it before Hydra writes into the run directory)."""
+    if not (run_dir / LOCK_FILE).is_file():
+        return
+    with open(run_dir / LOCK_FILE, encoding="utf-8") as handle:
+        if not _locked(handle):
+            raise _busy(run_dir, handle)
+        fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def acquire(run_dir: Path) -> RunOwner:
     """Take ownership of ``run_dir`` (created if missing) or raise :class:`RunBusy` at once."""
     run_dir.mkdir(parents=True, exist_ok=True)
     handle = open(run_dir / LOCK_FILE, "a+", encoding="utf-8")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
-        if err.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            handle.close()
-            raise
-        handle.seek(0)
-        owner = handle.read().strip() or "another process"
+        locked = _locked(handle)
+    except OSError:
         handle.close()
-        raise RunBusy("KPOOL_RUN_ID", run_dir.name, "a run directory no other process is using",
-                      f"run directory {run_dir} is in use by {owner} (it holds {run_dir / LOCK_FILE}). "
-                      f"Wait for that process to end (then rerun this command to continue the run), "
-                      f"or start another run: another KPOOL_RUN_ID, or train.resume=none with no KPOOL_RUN_ID set") from None
+        raise
+    if not locked:
+        raise _busy(run_dir, handle)
     handle.seek(0)
     previous = handle.read().strip() or None
     handle.seek(0)

@@ -83,7 +83,9 @@ def test_second_launch_of_a_live_run_fails_at_once_and_the_run_keeps_its_metrics
             assert first.poll() is None, first.stderr.read()[-3000:]
             assert time.monotonic() < deadline, "the first run logged no step"
             time.sleep(0.5)
+        hydra_files = {p: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
         second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert {p: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()} == hydra_files  # refused before Hydra wrote
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"in use by pid {first.pid} " in second.stderr
         assert first.poll() is None  # the owner trains on
