@@ -61,12 +61,13 @@ def check_ranks_agree(config: dict[str, Any], timeout_s: float = TIMEOUT_S) -> N
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
+    digests: list[Any] = [None] * world
+    group = None
     try:
-        digests: list[Any] = [None] * world
-        try:
+        try:  # creating the group is collective too: a missing rank shows in either
+            group = dist.new_group(backend="gloo", timeout=_dt.timedelta(seconds=timeout_s))
             dist.all_gather_object(digests, _digest(config), group=group)
-        except RuntimeError as err:
+        except RuntimeError as err:  # torch's DistStoreError / DistBackendError
             raise RankConfigMismatch(
                 f"rank {rank}: not every rank reached the config comparison within {timeout_s:g} s "
                 f"(a rank that failed or was started with another command?): "
@@ -76,7 +77,8 @@ def check_ranks_agree(config: dict[str, Any], timeout_s: float = TIMEOUT_S) -> N
         flats: list[Any] = [None] * world
         dist.all_gather_object(flats, _flat(config), group=group)
     finally:
-        dist.destroy_process_group(group)
+        if group is not None:
+            dist.destroy_process_group(group)
     diff = differing_keys(flats)
     shown = "; ".join(f"{key}: " + ", ".join(f"rank {r}={v!r}" for r, v in enumerate(values))
                       for key, values in list(diff.items())[:SHOWN_KEYS])

@@ -80,3 +80,31 @@ def test_torchrun_ranks_with_different_configs_stop_before_training(tmp_path: Pa
     assert "train.seed: rank 0=0, rank 1=1" in out
     assert "logging.run_name: rank 0='r0', rank 1='r1'" in out
     assert "step     1/" not in out  # stopped before the first step
+
+
+def _silent_rank(rank: int, port: int, out: "mp.Queue") -> None:
+    """A rank that joins the process group and never reaches the comparison."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out.get(timeout=TIMEOUT)  # until the other rank has given up
+
+
+@pytest.mark.dist
+def test_a_rank_that_never_arrives_is_a_bounded_error_not_a_hang() -> None:
+    ctx = mp.get_context("spawn")
+    out, release = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    waiting = ctx.Process(target=_rank, args=(0, port, {"x": 1}, 3.0, out))
+    silent = ctx.Process(target=_silent_rank, args=(1, port, release))
+    waiting.start()
+    silent.start()
+    try:
+        rank, message = out.get(timeout=TIMEOUT)
+        assert rank == 0 and "not every rank reached the config comparison within 3 s" in message
+    finally:
+        release.put(None)
+        for p in (waiting, silent):
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
