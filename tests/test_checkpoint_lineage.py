@@ -13,7 +13,13 @@ import pytest
 from recipes.checkpoint_lineage import check_save_target, planned_steps
 from recipes.checkpoint_manifest import CheckpointError, write_manifest
 from recipes.schema import TrainConfig
-from tests.test_checkpoint_safety import Train, _snapshot, run_copy, three_checkpoints, train  # noqa: F401
+from tests.test_checkpoint_safety import (  # noqa: F401
+    Train,
+    _snapshot,
+    run_copy,
+    three_checkpoints,
+    train,
+)
 
 
 def test_overwrite_run_whose_saves_would_replace_theirs_is_refused_before_training(

@@ -12,7 +12,15 @@ import pytest
 
 from recipes.checkpoint_manifest import MANIFEST, CheckpointError
 from recipes.schema import ConfigError
-from tests.test_checkpoint_safety import CONF, FAST, Train, run_copy, shutil_usage, three_checkpoints, train  # noqa: F401
+from tests.test_checkpoint_safety import (  # noqa: F401
+    CONF,
+    FAST,
+    Train,
+    run_copy,
+    shutil_usage,
+    three_checkpoints,
+    train,
+)
 
 
 def to_config_of(overrides: list[str]):  # noqa: ANN201 (recipes.schema.Config)

@@ -7,7 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from recipes.convert_checks import ConversionInputError, check_export_paths, check_single_checkpoint, one_line
+from recipes.convert_checks import (
+    ConversionInputError,
+    check_export_paths,
+    check_single_checkpoint,
+    one_line,
+)
 from tests.test_data import ALPHA, _load_script, corpus  # noqa: F401
 from tests.test_drift import _load_report_module
 

@@ -59,7 +59,7 @@ def test_run_ids_that_leave_the_run_root_or_break_the_console_are_refused(bad: s
 
 def test_train_py_refuses_a_run_id_outside_the_run_root(tmp_path: Path) -> None:
     env = subprocess_env(KPOOL_RUN_ROOT=str(tmp_path / "runs"), KPOOL_RUN_ID="../../x")
-    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=glm5_tiny"], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "model=glm5_tiny"], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "KPOOL_RUN_ID='../../x'" in proc.stderr
@@ -84,7 +84,7 @@ def test_second_launch_of_a_live_run_fails_at_once_and_the_run_keeps_its_metrics
             assert time.monotonic() < deadline, "the first run logged no step"
             time.sleep(0.5)
         hydra_files = {p: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()}
-        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert {p: p.stat().st_mtime_ns for p in (run_dir / ".hydra").iterdir()} == hydra_files  # refused before Hydra wrote
         assert second.returncode == 2, second.stderr[-3000:]
         assert f"in use by pid {first.pid} " in second.stderr
