@@ -13,6 +13,7 @@ from recipes.launch import console
 console.quiet()  # before megatron-core is imported (below, through recipes.config.schema)
 
 import logging  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -24,7 +25,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes.config.keys import check_overrides  # noqa: E402
 from recipes.launch.distributed import register_resolvers  # noqa: E402
-from recipes.launch.run_dir import select_run  # noqa: E402
+from recipes.launch.run_dir import run_root, select_run  # noqa: E402
+from recipes.launch.run_owner import check_free  # noqa: E402
 from recipes.config.schema import register_configs  # noqa: E402
 
 register_resolvers()
@@ -49,7 +51,10 @@ def main() -> None:
     with console.config_errors(exit_on_error=True):
         check_overrides(args.overrides)
     if not (args.multirun or args.cfg or args.help or args.hydra_help or args.info):
-        first_line = select_run(args.overrides)
+        with console.config_errors(exit_on_error=True):
+            first_line = select_run(args.overrides)
+            if console.env_rank() == 0:  # before Hydra writes into a live run's directory
+                check_free(run_root() / os.environ["KPOOL_RUN_ID"])
         if console.env_rank() == 0:
             print(first_line, flush=True)
     _task()

@@ -34,6 +34,7 @@ from recipes.checkpoint import store as ckpt
 from recipes.train import data as data_lib
 from recipes.launch import distributed
 from recipes.checkpoint import resume as resume_lib
+from recipes.launch import run_owner
 from recipes.launch.console import duration
 from recipes.train.cuda_graph import ForwardBackward, capture_stream
 from recipes.train.data_checks import check_indexed_data
@@ -49,6 +50,7 @@ from recipes.train.optimizer import build_optimizer
 from recipes.observe.precision_map import kernel_rows, precision_map, report_precision
 from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.plan.preflight import preflight
+from recipes.launch.rank_agreement import check_ranks_agree
 from recipes.launch.result import RunResult
 from recipes.config.schema import Config, CudaGraphImpl
 from recipes.config.rules import validate
@@ -76,8 +78,23 @@ def _record(run_dir: Path, result: RunResult) -> None:
 def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = None,
         wandb_group: Optional[str] = None) -> float:
     """Train according to the ``composed`` config; returns the last step's loss (NaN for a dry
-    run). ``wandb_group``: the sweep's id when this run is a job of a sweep."""
+    run). ``wandb_group``: the sweep's id when this run is a job of a sweep. Rank 0 of a
+    training run owns ``run_dir`` (:mod:`recipes.launch.run_owner`) from before anything in it is read
+    until the end."""
     topo = distributed.launcher_topology()
+    owner = run_owner.acquire(run_dir) if topo.rank == 0 and not composed.train.dry_run else None
+    if owner is not None and owner.took_over:
+        print(f"run directory {run_dir}: its previous owner ({owner.took_over}) ended without "
+              "releasing it; this process takes it over", flush=True)
+    try:
+        return _run_owned(composed, run_dir, topo, overrides, wandb_group)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
+               overrides: Optional[list[str]], wandb_group: Optional[str]) -> float:
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
@@ -90,6 +107,7 @@ def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = No
         raise
     distributed.init_process_group(topo)
     try:
+        check_ranks_agree(plain(cfg))  # before any collective that depends on the config
         if cfg.train.dry_run:
             dry_run(cfg)
             return math.nan

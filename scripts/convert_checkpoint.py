@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from kpool_layers.compat import cpu as _cpu  # noqa: E402
 from recipes.hf.config import hf_config_from_model, model_config_from_hf  # noqa: E402
@@ -52,6 +53,7 @@ from recipes.hf.io import (  # noqa: E402
 )
 from recipes.hf.mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
 from recipes.checkpoint.manifest import code_version, verify, write_manifest  # noqa: E402
+from recipes.hf.convert_checks import check_export_paths, check_single_checkpoint, one_line  # noqa: E402
 from recipes.config.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_YAML = "model.yaml"
@@ -74,7 +76,11 @@ def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name
         path = ROOT / "conf" / "model" / f"{model}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"--model {model}: neither a yaml file nor conf/model/{model}.yaml")
-    return OmegaConf.merge(schema, OmegaConf.load(path))
+    try:
+        return OmegaConf.merge(schema, OmegaConf.load(path))
+    except OmegaConfBaseException as err:
+        raise ValueError(f"--model {path}: not a model config ({str(err).splitlines()[0]}); pass a "
+                         "conf/model name or a yaml file of the model group") from err
 
 
 def init_single_rank() -> None:
@@ -235,6 +241,8 @@ def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | N
               fp8: bool = False, shard_bytes: int = 5 * 2**30, force: bool = False) -> None:
     """Megatron dist checkpoint -> HF directory (sharded safetensors, index, config.json), one
     group (:func:`_hf_group`) in memory at a time."""
+    check_export_paths(ckpt, hf_out)
+    check_single_checkpoint(ckpt)
     with atomic_output_dir(hf_out, force) as tmp:
         _export_into(ckpt, tmp, model, fp8, shard_bytes)
 
@@ -284,10 +292,13 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
     args = parser.parse_args(argv)
     mmap_large_allocations()
-    if args.command == "import":
-        import_hf(args.hf, args.out, args.model, args.force)
-    else:
-        export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
+    try:
+        if args.command == "import":
+            import_hf(args.hf, args.out, args.model, args.force)
+        else:
+            export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
+    except Exception as err:  # noqa: BLE001 (every failure of a conversion: one line naming its file)
+        sys.exit(one_line(err))
 
 
 if __name__ == "__main__":

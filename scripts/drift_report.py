@@ -194,19 +194,34 @@ def summary_markdown(series: Series, source: list[Path]) -> str:
     return "\n".join(lines)
 
 
+class MetricsFileError(ValueError):
+    """A ``metrics.jsonl`` line that is not a step record (names the file and line)."""
+
+
 def read_metrics_jsonl(path: Path) -> dict[int, dict[str, float]]:
     """Numeric history of a ``metrics.jsonl``: step -> {key: value} (records of one step merged;
-    a line cut short by a kill is skipped)."""
+    a last line cut short by a kill, with no newline after it, is skipped). Any other line that
+    is not a JSON object with an integer ``step`` raises :class:`MetricsFileError` naming
+    ``path:line``."""
+    data = path.read_bytes()
+    lines = data.split(b"\n")
     rows: dict[int, dict[str, float]] = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
-        if isinstance(record, dict) and "step" in record:
-            row = rows.setdefault(int(record["step"]), {})
-            row.update({k: float(v) for k, v in record.items()
-                        if k != "step" and isinstance(v, (int, float))})
+        cut_short = number == len(lines)  # the text after the last newline
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as err:
+            if cut_short:
+                continue
+            raise MetricsFileError(f"{path}:{number}: not a JSON record ({err})") from None
+        if not isinstance(record, dict) or type(record.get("step")) is not int:
+            raise MetricsFileError(f"{path}:{number}: not a step record (a JSON object with an "
+                                   "integer 'step')")
+        row = rows.setdefault(record["step"], {})
+        row.update({k: float(v) for k, v in record.items()
+                    if k != "step" and isinstance(v, (int, float))})
     return rows
 
 
@@ -227,6 +242,11 @@ def report(run_dir: Path, out: Optional[Path] = None, prefix: str = "dsa") -> Pa
     """Read the run, write the plots and ``drift_report.md`` to ``out``; returns the markdown path."""
     history, files = read_run(run_dir)
     series = drift_series(history, prefix)
+    if not series:
+        found = sorted({k.split("/", 1)[0] for row in history.values() for k in row if "/layer_" in k})
+        print(f"no '{prefix}/<metric>/layer_<i>' keys in {', '.join(map(str, files))}"
+              + (f"; per-layer prefixes found: {', '.join(found)} (--prefix)" if found else
+                 " (drift is logged when precision.drift.interval > 0)"), file=sys.stderr)
     out = out or (run_dir if run_dir.is_dir() else run_dir.parent) / "drift_report"
     out.mkdir(parents=True, exist_ok=True)
     for metric, layers in series.items():
@@ -243,7 +263,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default RUN_DIR/drift_report)")
     parser.add_argument("--prefix", default="dsa", help="metric key prefix (default: dsa)")
     args = parser.parse_args(argv)
-    print(report(args.run_dir, args.out, args.prefix))
+    try:
+        print(report(args.run_dir, args.out, args.prefix))
+    except (MetricsFileError, FileNotFoundError) as err:
+        sys.exit(f"error: {err}")
     return 0
 
 

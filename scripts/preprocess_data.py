@@ -96,9 +96,14 @@ def _encoded(args: argparse.Namespace) -> Iterable[list[int]]:
 
 def preprocess(args: argparse.Namespace) -> dict[str, int]:
     """Writes ``{output_prefix}_{json_key}_document.{bin,idx}``; returns the counts. Raises
-    :class:`InputError` (and writes nothing) for an input that is not a JSON-lines corpus."""
-    vocab_size = load_hf_tokenizer(args.tokenizer).vocab_size
+    :class:`InputError` (and writes nothing) for an input that is not a JSON-lines corpus, and for
+    an output that exists unless ``--force`` (checked before anything is tokenized)."""
     prefix = f"{args.output_prefix}_{args.json_key}_document"
+    existing = [f"{prefix}.{ext}" for ext in ("bin", "idx") if Path(f"{prefix}.{ext}").exists()]
+    if existing and not args.force:
+        raise InputError(f"{existing[0]} exists: this would replace that dataset; pass --force to "
+                         "replace it, or choose another --output-prefix")
+    vocab_size = load_hf_tokenizer(args.tokenizer).vocab_size
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{prefix}.{os.getpid()}.tmp"
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(vocab_size))
@@ -130,8 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", required=True, help="HF tokenizer dir or tokenizer.json")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.*")
     parser.add_argument("--append-eod", action="store_true", help="end each document with EOD")
-    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    return parser.parse_args(argv)
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (>= 1)")
+    parser.add_argument("--force", action="store_true", help="replace an existing PREFIX_KEY_document.*")
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error(f"--workers {args.workers}: allowed: an integer >= 1 (tokenizer processes)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

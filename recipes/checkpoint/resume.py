@@ -8,7 +8,8 @@
   complete checkpoint of that directory.
 * A run that saves and does not resume from a checkpoint of its own save directory
   (``resume=none``, or a checkpoint elsewhere) refuses a save directory that already holds
-  checkpoints, unless ``train.overwrite=true``.
+  checkpoints, unless ``train.overwrite=true``; even then no planned save may land on another
+  run's checkpoint (recipes.checkpoint.lineage): such a run is refused before it trains.
 * The saved config must agree with the current one in every shape-relevant key.
 """
 
@@ -24,7 +25,11 @@ from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
 
 from recipes.checkpoint import store as ckpt
-from recipes.checkpoint.manifest import CheckpointError, incompatibilities, read_manifest, verify
+from recipes.checkpoint.lineage import check_planned_saves, planned_steps
+from recipes.checkpoint.integrity import latest_name, predates_manifests, verify
+from recipes.checkpoint.manifest import CheckpointError, incompatibilities, read_manifest
+from recipes.train.nonfinite import check_weights_finite
+from recipes.checkpoint.resume_schedule import schedule_notes
 from recipes.config.schema import Config
 from recipes.config.typed import plain
 
@@ -91,6 +96,8 @@ def _check_config(path: Path, manifest: Optional[dict[str, Any]], current: dict[
     messages += [f"config differs from {path.name} (current value used): {n}" for n in notes]
     saved_steps = (manifest["config"].get("train") or {}).get("steps")
     now_steps = (current.get("train") or {}).get("steps")
+    if resume:
+        messages += schedule_notes(manifest["config"], current)
     if resume and saved_steps is not None and saved_steps != now_steps:
         messages.append(f"train.steps changed {saved_steps} -> {now_steps}: the LR schedule is "
                         f"re-planned (warmup and decay over {now_steps} steps) from the saved step")
@@ -101,9 +108,9 @@ def _auto(root: Path, messages: list[str]) -> tuple[Optional[Path], list[Path]]:
     latest = ckpt.latest_checkpoint(root)
     complete = ckpt.complete_checkpoints(root)
     if latest is None and complete:
-        marker = root / ckpt.LATEST
-        why = (f"`latest` names {marker.read_text().strip()!r}, which does not exist"
-               if marker.is_file() else "there is no `latest` marker")
+        name = latest_name(root)
+        why = (f"`latest` names {name!r}, which does not exist as a checkpoint directory in {root}"
+               if name is not None else "there is no `latest` marker")
         messages.append(f"{why}: taking the newest complete checkpoint {complete[0].name}")
     order = ([latest] if latest else []) + [c for c in complete if c != latest]
     for i, candidate in enumerate(order):
@@ -156,6 +163,8 @@ def plan_resume(cfg: Config, root: Path) -> ResumePlan:
     if path is not None:
         _check_config(path, manifest, current, resume=True, messages=messages)
     lineage = (manifest or {}).get("lineage") or uuid.uuid4().hex
+    start = int((manifest or {}).get("step", 0)) if path is not None else 0
+    check_planned_saves(root, [ckpt.checkpoint_name(s) for s in planned_steps(t, start)], lineage)
     return ResumePlan(root, path, ckpt.Owner(lineage, current), explicit, fallbacks, messages)
 
 
@@ -182,7 +191,11 @@ def resume(plan: ResumePlan, model: Any, optimizer: Any, scheduler: Any,
                 _check_config(path, read_manifest(path), plan.owner.config, resume=True, messages=notes)
                 for note in notes:
                     say(note)
-            return path, ckpt.load_checkpoint(path, model, optimizer, scheduler)
+            progress = ckpt.load_checkpoint(path, model, optimizer, scheduler)
+            if predates_manifests(path):  # unverified bytes: at least the weights are finite
+                check_weights_finite(ckpt.unwrap(model), progress.step, f"{path} predates manifests",
+                                     what=f"the weights loaded from {path} (step {progress.step})")
+            return path, progress
         except CheckpointError as err:
             failure: Exception = err
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - megatron / torch DCP read errors

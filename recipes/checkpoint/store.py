@@ -4,7 +4,9 @@ Layout under the checkpoint root::
 
     iter_0000020/      a complete dist checkpoint (model, optimizer, scheduler, progress) and its
                        kpool_manifest.json (files, checksums, config, code version, lineage)
-    latest             text file: the name of the newest complete checkpoint
+    latest             text file: the name of the newest complete checkpoint (a malformed one or
+                       one naming anything but a directory in the root counts as missing,
+                       recipes.checkpoint.integrity)
 
 A save writes into ``iter_N.tmp``, hashes it into the manifest and is renamed to ``iter_N`` by
 rank 0 only after every rank finished writing; ``latest`` is replaced atomically afterwards. A run
@@ -22,6 +24,7 @@ The save is synchronous and runs in this process: megatron's writer would otherw
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import queue
 import shutil
@@ -35,10 +38,13 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from kpool_layers.moe.experts import check_resumable_experts, experts_module
+from recipes.checkpoint.integrity import LATEST, MANIFEST_EXPECTED, latest_checkpoint
+from recipes.checkpoint.lineage import check_save_target
 from recipes.checkpoint.manifest import CheckpointError, read_manifest, write_manifest
+from recipes.train.nonfinite import check_weights_finite
 from recipes.train.optimizer import adam_step, inner_optimizers
+from recipes.checkpoint.resume_schedule import follow_current_settings
 
-LATEST = "latest"
 OPTIMIZER_SHARDING = {"distrib_optim_sharding_type": "dp_reshardable"}
 """Distributed-optimizer format: every rank writes its own shard in parallel (reshardable over DP)."""
 EXPERTS = "experts_module"
@@ -54,7 +60,8 @@ class Progress:
     consumed_samples: int = 0
 
 
-def _name(step: int) -> str:
+def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``."""
     return f"iter_{step:07d}"
 
 
@@ -65,15 +72,6 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The checkpoint the ``latest`` marker names (``None`` if missing or dangling)."""
-    marker = Path(root) / LATEST
-    if not marker.is_file():
-        return None
-    path = Path(root) / marker.read_text().strip()
-    return path if path.is_dir() else None
 
 
 def checkpoint_dirs(root: str | os.PathLike) -> list[Path]:
@@ -136,9 +134,15 @@ def _write_in_process() -> None:
 
 def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, scheduler: Any,
                     progress: Progress, keep: int, owner: Owner) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint path."""
+    """Collective: every rank calls it. Returns the final checkpoint path. Weights with NaN/inf
+    are refused before anything is written (:func:`recipes.train.nonfinite.check_weights_finite`), and
+    so is a step whose name another lineage's checkpoint holds (recipes.checkpoint.lineage)."""
     root = Path(root)
-    final = root / _name(progress.step)
+    previous = latest_checkpoint(root)
+    check_weights_finite(unwrap(model), progress.step,
+                         f"{previous} is the last saved state" if previous else f"nothing is saved in {root}")
+    final = root / checkpoint_name(progress.step)
+    check_save_target(final, owner.lineage)  # never another run's checkpoint
     tmp = root / (final.name + ".tmp")
     if _is_rank0():
         root.mkdir(parents=True, exist_ok=True)
@@ -150,9 +154,21 @@ def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, schedul
     state["scheduler"] = scheduler.state_dict()
     state["progress"] = {"step": progress.step, "consumed_samples": progress.consumed_samples}
     state[EXPERTS] = experts_module(unwrap(model))
-    dist_checkpointing.save(state, str(tmp))
-    _barrier()
-    write_manifest(tmp, config=owner.config, lineage=owner.lineage, step=progress.step)
+    state[MANIFEST_EXPECTED] = True  # a later missing manifest is an error (recipes.checkpoint.integrity)
+    try:
+        dist_checkpointing.save(state, str(tmp))
+        _barrier()
+        write_manifest(tmp, config=owner.config, lineage=owner.lineage, step=progress.step)
+    except BaseException as err:  # CheckpointException is a BaseException
+        full = no_space_left(err, root)
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial save only fills the disk
+        if full:
+            raise CheckpointError(
+                f"no space left on device: {root} (saving {final.name}; its partial {tmp.name} was "
+                f"removed; {previous or 'no earlier checkpoint'} is the last saved state). Free space "
+                "there, lower train.keep_checkpoints or save elsewhere (train.save)") from err
+        raise
     _barrier()
     if _is_rank0():
         replaced = root / (final.name + ".replaced")  # a complete checkpoint until the new one is in place
@@ -167,6 +183,27 @@ def save_checkpoint(root: str | os.PathLike, model: Any, optimizer: Any, schedul
         prune(root, keep, owner.lineage)
     _barrier()
     return final
+
+
+FULL_BYTES = 2**20
+"""A write that failed where less than this is available failed on a full file system (torch's
+stream writer reports ENOSPC only as "file write failed")."""
+
+
+def no_space_left(err: BaseException, root: Path) -> bool:
+    """Whether a failed save ran out of space: ENOSPC anywhere in ``err``'s chain or text, or
+    less than :data:`FULL_BYTES` available under ``root`` now."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return True
+        if "no space left on device" in str(seen).lower():
+            return True
+        seen = seen.__cause__ or seen.__context__
+    try:
+        return shutil.disk_usage(root).free < FULL_BYTES
+    except OSError:
+        return False
 
 
 def prune(root: Path, keep: int, lineage: str) -> list[Path]:
@@ -260,6 +297,7 @@ def load_checkpoint(path: str | os.PathLike, model: Any, optimizer: Any, schedul
     loaded = dist_checkpointing.load(state, str(path))
     with torch.no_grad():  # restores in place into parameter (views) that require grad
         unwrap(model).load_state_dict(loaded["model"])
+        follow_current_settings(loaded["optimizer"], optimizer.param_groups)  # a changed train.lr
         optimizer.load_state_dict(loaded["optimizer"])
     scheduler.override_opt_param_scheduler = True  # the current config's schedule, saved position
     scheduler.load_state_dict(loaded["scheduler"])

@@ -49,7 +49,7 @@ def check_ranges(cfg: DictConfig) -> None:
             node = getattr(node, part)
         allowed: Range = f.metadata["range"]
         if node is not None and node not in allowed:
-            kind = "an integer" if isinstance(f.default, int) else "a number"
+            kind = "an integer" if isinstance(f.default, int) else "a finite number"
             raise ConfigError(key, node, f"{kind} in {allowed}")
 
 

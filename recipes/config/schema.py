@@ -17,6 +17,7 @@ Field names of the ``model`` group are megatron-core's own (``TransformerConfig`
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
@@ -53,6 +54,8 @@ class Range:
     open_hi: bool = False
 
     def __contains__(self, value: float) -> bool:
+        if not math.isfinite(value):  # NaN compares False both ways; inf is no usable setting
+            return False
         above = self.lo is None or (value > self.lo if self.open_lo else value >= self.lo)
         below = self.hi is None or (value < self.hi if self.open_hi else value <= self.hi)
         return above and below
@@ -290,6 +293,7 @@ class TrainConfig:
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
     # Checkpoint safety (issue #14; recipes/checkpoint/resume.py, recipes/train/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
+    save_in_system_dir: bool = False  # allow checkpoints in / or a system directory (recipes/plan/preflight.py)
     nonfinite_skip: int = num(0, 0)  # steps with NaN/inf loss or grads skipped before the run stops
     # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/train/cuda_graph.py).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none

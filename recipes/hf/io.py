@@ -84,11 +84,34 @@ class SafetensorsFile:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self._file = open(self.path, "rb")  # noqa: SIM115 - closed by close()
-        (length,) = struct.unpack("<Q", self._file.read(8))
-        header = json.loads(self._file.read(length))
+        try:
+            self.entries: dict[str, dict[str, Any]] = self._read_header()
+        except BaseException:
+            self._file.close()
+            raise
+
+    def _read_header(self) -> dict[str, dict[str, Any]]:
+        """Parse the header; raise ``ValueError`` naming the file when it, or the tensor data it
+        describes, does not fit in the file (a truncated or foreign file fails here, up front)."""
+        size = self.path.stat().st_size
+        head = self._file.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{self.path}: {size} bytes, too short for a safetensors header (truncated?)")
+        (length,) = struct.unpack("<Q", head)
+        if 8 + length > size:
+            raise ValueError(f"{self.path}: its header claims {length} bytes, the file has {size} (truncated "
+                             "or not a safetensors file)")
+        try:
+            header = json.loads(self._file.read(length))
+        except ValueError as err:
+            raise ValueError(f"{self.path}: unreadable safetensors header ({err})") from None
         header.pop("__metadata__", None)
         self._data_start = 8 + length
-        self.entries: dict[str, dict[str, Any]] = header
+        need = self._data_start + max((e["data_offsets"][1] for e in header.values()), default=0)
+        if need > size:
+            raise ValueError(f"{self.path}: {size} bytes, its header describes {need} (truncated: tensor "
+                             "data missing)")
+        return header
 
     def dtype(self, name: str) -> torch.dtype:
         """The stored dtype of ``name``."""
@@ -123,6 +146,10 @@ class HFReader:
         self._handles: dict[str, SafetensorsFile] = {}
         if index.is_file():
             self._file_of = json.loads(index.read_text())["weight_map"]
+            for file in sorted(set(self._file_of.values())):  # every shard checked before converting
+                if not (self.dir / file).is_file():
+                    raise FileNotFoundError(f"{self.dir / file}: missing (listed in {index.name})")
+                self._open(file)
         elif (self.dir / "model.safetensors").is_file():
             self._file_of = {name: "model.safetensors" for name in self._open("model.safetensors").entries}
         else:

@@ -3,7 +3,8 @@
 ``python train.py ARGS`` after a run of the same ``ARGS`` (same overrides but ``train.resume``,
 same run root) that did not complete reuses that run's id, so its directory, checkpoints and
 metrics continue (``train.resume=auto`` loads the latest checkpoint). ``train.resume=none`` starts
-a fresh run. Ids set by ``KPOOL_RUN_ID`` or SLURM are used as they are. Every rank of one launch
+a fresh run. Ids set by ``KPOOL_RUN_ID`` or SLURM are used as they are (once checked to name one
+directory under the run root, :func:`recipes.launch.run_owner.check_run_id`). Every rank of one launch
 picks the same run: only runs whose ``.hydra/overrides.yaml`` predates the launch (the torchrun
 agent's start, or this process's) are candidates, so rank 0 writing the new run's files does not
 change the choice of the other ranks.
@@ -18,6 +19,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from recipes.launch.distributed import launch_start, run_id
+from recipes.launch.run_owner import check_run_id
 from recipes.launch.result import RunResult
 
 IGNORED = ("train.resume",)
@@ -60,7 +62,7 @@ def select_run(overrides: list[str]) -> str:
         os.environ["KPOOL_RUN_ID"] = previous.name
         return (f"resuming run {previous.name} (the last unfinished run of this command) in "
                 f"{previous}; train.resume=none starts a fresh run")
-    rid = run_id()
+    rid = check_run_id(run_id())
     os.environ["KPOOL_RUN_ID"] = rid
     return (f"run {rid} in {run_root() / rid}; to resume it, rerun this command "
             f"(or set KPOOL_RUN_ID={rid})")

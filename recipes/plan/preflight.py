@@ -3,8 +3,10 @@
 * every size the build or a checkpoint divides by or allocates with is a positive integer (and a
   multiple of TP where megatron splits it): ``model.ffn_hidden_size=0``, say, would train and then
   crash in the final save;
-* the checkpoint directory is writable;
-* its file system has room for one more checkpoint, estimated from the parameter count.
+* the checkpoint directory is not ``/`` or a system directory (unless
+  ``train.save_in_system_dir=true``) and is writable;
+* its file system has room for the checkpoints the run will hold at once (``keep_checkpoints`` + the
+  one being written, less those already there), estimated from the parameter count.
 """
 
 from __future__ import annotations
@@ -55,8 +57,27 @@ def checkpoint_bytes(cfg: Config) -> int:
     return total * ((2 if cfg.precision.dtype is DType.bf16 else 4) + 12)
 
 
-def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
-    """The checkpoint root (or its nearest existing parent) is writable and has ``need_bytes`` free."""
+SYSTEM_DIRS = tuple(Path(p) for p in ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64",
+                                       "/proc", "/sbin", "/sys", "/usr"))
+"""Directories of the operating system: checkpoints go there (or into ``/`` itself) only with
+``train.save_in_system_dir=true``."""
+
+
+def check_not_system_dir(root: Path, allowed: bool) -> None:
+    """Raise :class:`ConfigError` when ``root`` is ``/`` or inside :data:`SYSTEM_DIRS` and not
+    ``allowed``."""
+    resolved = root.resolve()
+    system = next((d for d in SYSTEM_DIRS if resolved == d or d in resolved.parents), None)
+    if not allowed and (resolved == Path("/") or system is not None):
+        where = "the file system root" if system is None else f"inside the system directory {system}"
+        raise ConfigError("train.save", str(root),
+                          f"a checkpoint directory outside / and {', '.join(map(str, SYSTEM_DIRS))} "
+                          f"({resolved} is {where}); set train.save_in_system_dir=true to save there anyway")
+
+
+def check_checkpoint_dir(root: Path, checkpoint_size: int, count: int = 1) -> None:
+    """The checkpoint root (or its nearest existing parent) is writable and has room for ``count``
+    checkpoints of ``checkpoint_size`` bytes."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         probe = root / f".write-test-{uuid.uuid4().hex}"
@@ -66,9 +87,11 @@ def check_checkpoint_dir(root: Path, need_bytes: int) -> None:
         raise ConfigError("train.save", str(root),
                           f"a writable directory for checkpoints ({err.strerror or err})") from err
     free = shutil.disk_usage(root).free
-    if free < need_bytes:
+    if free < checkpoint_size * count:
         raise ConfigError("train.save", str(root),
-                          f"a directory with room for one checkpoint: ~{need_bytes / 2**30:.2f} GiB "
+                          f"a directory with room for one checkpoint: ~{checkpoint_size / 2**30:.2f} GiB, "
+                          f"times {count} held at once (train.keep_checkpoints + the one being "
+                          f"written, less those present) = ~{checkpoint_size * count / 2**30:.2f} GiB "
                           f"needed, {free / 2**30:.2f} GiB free")
 
 
@@ -76,4 +99,13 @@ def preflight(cfg: Config, root: Path) -> None:
     """All checks; raises :class:`ConfigError` before anything is built."""
     check_sizes(cfg)
     if cfg.train.save_interval or cfg.train.save_final:
-        check_checkpoint_dir(root, checkpoint_bytes(cfg))
+        check_not_system_dir(root, cfg.train.save_in_system_dir)
+        check_checkpoint_dir(root, checkpoint_bytes(cfg), checkpoints_to_fit(cfg, root))
+
+
+def checkpoints_to_fit(cfg: Config, root: Path) -> int:
+    """How many more checkpoints the file system must hold: ``train.keep_checkpoints`` are kept
+    and the next one is written before the oldest is pruned (``keep + 1`` at the peak), less the
+    complete ones already in ``root``; at least the one in progress."""
+    present = sum(1 for p in root.glob("iter_*") if p.is_dir() and ".tmp" not in p.name) if root.is_dir() else 0
+    return max(1, cfg.train.keep_checkpoints + 1 - present)

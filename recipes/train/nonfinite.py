@@ -3,7 +3,9 @@
 Like megatron's ``check_for_nan_in_loss_and_grad``: a step whose global loss or any gradient is
 NaN/inf is not applied (no optimizer or scheduler step); up to ``train.nonfinite_skip`` such steps
 are skipped over the run, the next one raises :class:`NonFiniteError` naming the step. Nothing is
-saved after it, so the last checkpoint holds the last good state.
+saved after it, so the last checkpoint holds the last good state. A save first checks the weights
+after the update (:func:`check_weights_finite`): an update that made them NaN/inf from a finite
+loss and gradients (e.g. a huge ``train.lr``) is never saved.
 """
 
 from __future__ import annotations
@@ -54,6 +56,34 @@ class NonFiniteGuard:
                 f"train.nonfinite_skip={self.skip}); this state is not saved, {save_hint}. Lower "
                 "train.lr, check the data, or raise train.nonfinite_skip to skip such steps")
         return False
+
+
+def check_weights_finite(module: torch.nn.Module, step: int, keeps: str, what: str = "") -> None:
+    """Raise :class:`NonFiniteError` naming ``step`` and the first non-finite parameter when any
+    parameter of ``module`` holds NaN/inf on any rank (collective; one fused max-abs norm per
+    dtype group, ``torch._foreach_norm(ord=inf)``, and one host sync). Max-abs is NaN/inf exactly
+    when the tensor holds a NaN/inf, and never overflows for a finite tensor. ``keeps``: what the
+    checkpoint root still holds, for the message (the refused state is never saved); ``what``:
+    whose weights, for the message (default: those after the update of ``step``)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.numel()]
+    device = named[0][1].device if named else torch.device("cpu")
+    bad_mask = torch.zeros(len(named), dtype=torch.bool, device=device)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, (_, p) in enumerate(named):
+        by_dtype.setdefault(p.dtype, []).append(i)
+    for idx in by_dtype.values():
+        norms = torch._foreach_norm([named[i][1].detach() for i in idx], float("inf"))
+        bad_mask[idx] = ~torch.isfinite(torch.stack(norms).float())
+    total = bad_mask.sum().to(torch.int64).reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    if total.item():
+        local = [named[i][0] for i in bad_mask.nonzero().flatten().tolist()]
+        where = f"; this rank's first: {local[0]} ({len(local)} of {len(named)} here)" if local else ""
+        raise NonFiniteError(
+            f"{what or f'the weights after the update of step {step}'} are not finite ({total.item()} parameter "
+            f"tensor(s) with NaN/inf over all ranks{where}): this state is not saved and `latest` "
+            f"is not moved; {keeps}. Lower train.lr or check the data")
 
 
 def json_safe(value: Any) -> Any:
