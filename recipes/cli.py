@@ -22,10 +22,12 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from recipes.cli_info import answer_info_flags  # noqa: E402
 from recipes.config_keys import check_overrides  # noqa: E402
 from recipes.distributed import register_resolvers  # noqa: E402
 from recipes.run_dir import select_run  # noqa: E402
 from recipes.schema import register_configs  # noqa: E402
+from recipes.unstarted_runs import discard_if_unstarted  # noqa: E402
 
 register_resolvers()
 register_configs()
@@ -38,13 +40,17 @@ def _task(cfg: DictConfig) -> float:
     from recipes.loop import run
 
     hc = HydraConfig.get()
-    with console.config_errors(exit_on_error=hc.mode == RunMode.RUN):
+    single, run_dir = hc.mode == RunMode.RUN, Path(hc.runtime.output_dir)
+    with console.config_errors(exit_on_error=single), \
+            discard_if_unstarted(run_dir, single_run=single, dry_run=bool(cfg.train.dry_run)):
         sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-        return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), wandb_group=sweep)
+        return run(cfg, run_dir, list(hc.overrides.task), wandb_group=sweep)
 
 
 def main() -> None:
     """Check the overrides, pick the run directory (announced on the first line), train."""
+    if answer_info_flags(sys.argv[1:]):
+        return
     args = get_args_parser().parse_known_args(sys.argv[1:])[0]
     with console.config_errors(exit_on_error=True):
         check_overrides(args.overrides)

@@ -21,7 +21,7 @@ from recipes.schema import Config, ConfigError
 OPEN_PREFIXES = ("hydra",)
 """Declared extension points: top-level nodes whose keys the schema does not describe."""
 
-GROUPS = ("model", "precision", "parallelism", "data", "train", "logging", "experiment")
+GROUPS = ("model", "precision", "parallelism", "data", "train", "logging", "experiment", "debug")
 """Config groups: ``group=option`` selects a file of ``conf/<group>/``."""
 
 

@@ -35,6 +35,7 @@ from recipes import data as data_lib
 from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.console import duration
+from recipes.short_runs import clamp_warmup
 from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
@@ -77,6 +78,8 @@ def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = No
     """Train according to the ``composed`` config; returns the last step's loss (NaN for a dry
     run). ``wandb_group``: the sweep's id when this run is a job of a sweep."""
     topo = distributed.launcher_topology()
+    if (note := clamp_warmup(composed, overrides or [])) and topo.rank == 0:
+        print(note, flush=True)
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model

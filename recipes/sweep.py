@@ -239,7 +239,10 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
 def record_job_result(output_dir: Path, job_return: JobReturn) -> None:
     """Completes ``result.json`` from Hydra's job return: a failed job (the task raised) gets
     ``status: failed`` with the exception; a completed job that wrote none gets one from its
-    metrics. A ``result.json`` the job wrote itself is kept unless Hydra saw it fail."""
+    metrics. A ``result.json`` the job wrote itself is kept unless Hydra saw it fail. A run whose
+    directory is gone (a dry run's, :mod:`recipes.unstarted_runs`) gets none."""
+    if not output_dir.is_dir():
+        return
     existing = RunResult.read(output_dir)
     failed = job_return.status == JobStatus.FAILED
     if existing is not None and (not failed or existing.status == "failed"):
