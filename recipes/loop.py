@@ -35,7 +35,7 @@ from recipes import data as data_lib
 from recipes import distributed
 from recipes import resume as resume_lib
 from recipes.console import duration
-from recipes.short_runs import clamp_warmup
+from recipes.short_runs import fit_to_run_length
 from recipes.cuda_graph import ForwardBackward, capture_stream
 from recipes.data_checks import check_indexed_data
 from recipes.drift_logging import DriftMonitor
@@ -78,8 +78,9 @@ def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = No
     """Train according to the ``composed`` config; returns the last step's loss (NaN for a dry
     run). ``wandb_group``: the sweep's id when this run is a job of a sweep."""
     topo = distributed.launcher_topology()
-    if (note := clamp_warmup(composed, overrides or [])) and topo.rank == 0:
-        print(note, flush=True)
+    for note in fit_to_run_length(composed, overrides or []):
+        if topo.rank == 0:
+            print(note, flush=True)
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
@@ -247,7 +248,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     logger = MetricsLogger(run_dir, cfg.logging, plain(cfg), enabled=rank0,
                            resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
-    report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger)
+    report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger,
+                     full=cfg.logging.print_precision_map)
     drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     guard = PreemptionGuard()

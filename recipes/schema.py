@@ -320,6 +320,7 @@ class LoggingConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    print_precision_map: bool = False  # the console shows one line per role, not one line in all
 
 
 @dataclass

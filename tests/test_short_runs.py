@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipes.short_runs import clamp_warmup
+from recipes.short_runs import clamp_warmup, fit_drift_interval
 from tests.train_runner import metrics, run_train
 
 FAST = ["model=glm5_tiny", "precision=fp32", "data.seq_length=64", "logging.mode=disabled",
@@ -47,3 +47,25 @@ def test_smoke_preset_trains_three_tiny_steps_without_logging_files(tmp_path: Pa
     run = tmp_path / "smoke"
     assert not (run / "wandb").exists() and not (run / "checkpoints").exists(), sorted(p.name for p in run.iterdir())
     assert (run / ".hydra" / "config.yaml").read_text().count("name: glm5_tiny") == 1
+
+
+def test_a_preset_drift_interval_longer_than_the_run_is_fitted_and_a_chosen_one_is_announced() -> None:
+    cfg = OmegaConf.create({"train": {"steps": 30}, "precision": {"drift": {"interval": 50}}})
+    note = fit_drift_interval(cfg, [])
+    assert cfg.precision.drift.interval == 10 and note is not None and "every 10 steps" in note
+    cfg = OmegaConf.create({"train": {"steps": 30}, "precision": {"drift": {"interval": 50}}})
+    note = fit_drift_interval(cfg, ["precision.drift.interval=50"])
+    assert cfg.precision.drift.interval == 50 and note is not None and "no top-k drift" in note
+    for interval in (0, 30):
+        cfg = OmegaConf.create({"train": {"steps": 30}, "precision": {"drift": {"interval": interval}}})
+        assert fit_drift_interval(cfg, []) is None and cfg.precision.drift.interval == interval
+
+
+def test_serving_match_with_the_default_drift_interval_logs_drift(tmp_path: Path) -> None:
+    """``train.py precision=serving_match`` (30 steps, interval 50) logged no dsa/* metric; the
+    same command shortened to 6 steps (interval fitted to 2) on CPU-emulated FP8."""
+    out = run_train(tmp_path, "drift", ["model=glm5_tiny", "precision=serving_match", "data.seq_length=64",
+                                        "train.steps=6", "logging.mode=disabled", "train.save_final=false"])
+    assert "top-k drift measured every 2 steps" in out.stdout, out.stdout[-3000:]
+    drift_steps = [r["step"] for r in metrics(tmp_path / "drift") if any(k.startswith("dsa/") for k in r)]
+    assert drift_steps == [2, 4, 6], drift_steps
