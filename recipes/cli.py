@@ -22,7 +22,7 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes.cli_info import answer_info_flags  # noqa: E402
+from recipes.cli_info import answer_info_flags, register_help_resolver  # noqa: E402
 from recipes.config_keys import check_overrides  # noqa: E402
 from recipes.distributed import register_resolvers  # noqa: E402
 from recipes.run_dir import select_run  # noqa: E402
@@ -30,6 +30,7 @@ from recipes.schema import register_configs  # noqa: E402
 from recipes.unstarted_runs import discard_if_unstarted  # noqa: E402
 
 register_resolvers()
+register_help_resolver()
 register_configs()
 # megatron-core logs its full DDP/optimizer configs and bucket layouts at INFO.
 logging.getLogger("megatron").setLevel(logging.WARNING)

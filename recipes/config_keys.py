@@ -16,6 +16,7 @@ from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig
 
+from recipes.conf_groups import SCHEMA_OPTION, group_options
 from recipes.schema import Config, ConfigError
 
 OPEN_PREFIXES = ("hydra",)
@@ -96,6 +97,9 @@ def check_overrides(overrides: list[str]) -> None:
     for override in parsed:
         key = override.key_or_group
         value = None if override.is_sweep_override() else override.value()
+        if key in GROUPS and value == SCHEMA_OPTION:
+            raise ConfigError(key, value, f"one of {group_options(key)} (`{key}/schema` is the "
+                              "group's typed schema, not an option)")
         if key in GROUPS and (value is None or isinstance(value, str)):
             continue
         _check_value(key, value, known)
