@@ -13,6 +13,7 @@ from recipes import console
 console.quiet()  # before megatron-core is imported (below, through recipes.schema)
 
 import logging  # noqa: E402
+import math  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -27,6 +28,7 @@ from recipes.config_keys import check_overrides  # noqa: E402
 from recipes.distributed import register_resolvers  # noqa: E402
 from recipes.run_dir import select_run  # noqa: E402
 from recipes.schema import register_configs  # noqa: E402
+from recipes.sweep import SweepSummaryCallback  # noqa: E402
 from recipes.unstarted_runs import discard_if_unstarted  # noqa: E402
 
 register_resolvers()
@@ -46,6 +48,7 @@ def _task(cfg: DictConfig) -> float:
             discard_if_unstarted(run_dir, single_run=single, dry_run=bool(cfg.train.dry_run)):
         sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
         return run(cfg, run_dir, list(hc.overrides.task), wandb_group=sweep)
+    return math.nan  # a sweep job's config error, printed above
 
 
 def main() -> None:
@@ -60,3 +63,5 @@ def main() -> None:
         if console.env_rank() == 0:
             print(first_line, flush=True)
     _task()
+    if args.multirun and SweepSummaryCallback.failed_jobs:
+        sys.exit(1)

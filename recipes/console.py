@@ -62,19 +62,21 @@ class ConsoleFilter(logging.Filter):
 
 @contextlib.contextmanager
 def config_errors(exit_on_error: bool) -> Iterator[None]:
-    """Print a :class:`recipes.schema.ConfigError` as one paragraph (rank 0) and exit with status
-    2, no traceback; with ``exit_on_error=False`` (a sweep job: the sweep lists it as failed) or
-    ``HYDRA_FULL_ERROR=1`` it propagates."""
+    """Print a :class:`recipes.schema.ConfigError` as one paragraph (rank 0), no traceback, and
+    exit with status 2; with ``exit_on_error=False`` (a sweep job) the paragraph is printed and
+    the sweep goes on (the job's ``result.json`` and the sweep summary list it as failed, and the
+    sweep exits non-zero at its end). With ``HYDRA_FULL_ERROR=1`` it propagates."""
     from recipes.schema import ConfigError
 
     try:
         yield
     except ConfigError as err:
-        if not exit_on_error or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if env_rank() == 0:
             print(f"Error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback.)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        if exit_on_error:
+            sys.exit(2)
 
 
 def duration(seconds: float) -> str:
