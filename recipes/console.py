@@ -29,8 +29,8 @@ def env_rank() -> int:
 
 def quiet() -> None:
     """Install the warning filters, once per process: on rank 0 megatron-core's notes about optional packages it does not find (Transformer Engine,
-    apex, absl), torch.distributed's deprecations and the CPU shim's non-leaf ``.grad`` access are
-    dropped. Other ranks show no warnings (rank 0 shows the same ones)."""
+    apex, absl), torch.distributed's deprecations, the distributed checkpoint's load warnings
+    (:data:`DCP_LOAD_WARNINGS`) and the CPU shim's non-leaf ``.grad`` access are dropped. Other ranks show no warnings (rank 0 shows the same ones)."""
     global _installed
     if _installed:
         return
@@ -39,9 +39,27 @@ def quiet() -> None:
     if env_rank() != 0:
         warnings.simplefilter("ignore")
         return
+    install_filters()
+
+
+DCP_LOAD_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent "
+                  r"is to load in a single process"),
+    (UserWarning, r"The argument order of load has been changed"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+"""What torch's distributed checkpointing warns on every load or resume through megatron's
+dist_checkpointing (one process: the first two; megatron's ShardedTensor: the third, attributed to
+whichever frame calls it). Matched by message, so other warnings of these modules still show."""
+
+
+def install_filters() -> None:
+    """The rank-0 filters of :func:`quiet` (see there), also for tests."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+    for category, message in DCP_LOAD_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, message=message)
 
 
 class ConsoleFilter(logging.Filter):

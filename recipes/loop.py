@@ -42,7 +42,8 @@ from recipes.drift_logging import DriftMonitor
 from recipes.dry_run import check_all, dry_run, flop_model
 from recipes.indexer_loss_logging import KEY as INDEXER_LOSS, IndexerLossMonitor
 from recipes.megatron_config import to_transformer_config
-from recipes.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
+from recipes.peak_flops import PeakRates
+from recipes.metrics import (FlopModel, MetricsLogger, peak_memory_gib,
                              reset_peak_memory)
 from recipes.model import build_gpt_model
 from recipes.nonfinite import NonFiniteGuard
@@ -257,6 +258,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     fwd_bwd = ForwardBackward(t)
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
+    peaks = PeakRates.for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+                                 t.peak_tflops)
     loss = math.nan
     status, requeued = "completed", False
     train_start, first_step = time.perf_counter(), progress.step
@@ -297,7 +300,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 elapsed = time.perf_counter() - train_start
                 eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
-                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps, extra,
+                          cfg.data.seq_length, tokens_per_step, flops, peaks, device, t.steps, extra,
                           f" | {duration(elapsed)} elapsed, ETA {duration(eta)}")
             elif extra:
                 logger.log(progress.step, extra)
@@ -337,7 +340,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float | torch.Tensor],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
-              flops: FlopModel, device: torch.device, total_steps: int,
+              flops: FlopModel, peaks: PeakRates, device: torch.device, total_steps: int,
               extra: dict[str, float], timing: str) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
@@ -349,8 +352,9 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
     if device.type == "cuda":
         tflops = flops.per_token(seq_length) * tokens_per_s / dist.get_world_size() / 1e12
         scalars["tflops_per_gpu"] = tflops
-        scalars["mfu"] = tflops / H200_BF16_TFLOPS
-        line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
+        mfu, text = peaks.report(tflops)
+        scalars.update(mfu)
+        line += f" | {tflops:.0f} TFLOP/s/GPU{text}"
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
     if INDEXER_LOSS in extra:
         line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"

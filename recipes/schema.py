@@ -291,6 +291,8 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     keep_checkpoints: int = num(2, 1)
     dry_run: bool = False
+    # MFU's peak per GPU in TFLOP/s; null = the device's spec peak (recipes/peak_flops.py)
+    peak_tflops: Optional[float] = num(None, 0.0, open_lo=True)
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
     # Checkpoint safety (issue #14; recipes/resume.py, recipes/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints

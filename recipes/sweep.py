@@ -286,8 +286,8 @@ class SweepSummaryCallback(Callback):
     failed_jobs: int = 0
     _last_line: str | None = None
 
-    def _print(self, line: str) -> None:
-        if line != SweepSummaryCallback._last_line:
+    def _print(self, line: str, only_if_new: bool = False) -> None:
+        if not (only_if_new and line == SweepSummaryCallback._last_line):
             print(line, flush=True)
         SweepSummaryCallback._last_line = line
 
@@ -312,6 +312,6 @@ class SweepSummaryCallback(Callback):
         try:
             rows = write_summary(sweep_dir)
             SweepSummaryCallback.failed_jobs = sum(row["status"] != "completed" for row in rows)
-            self._print(_announce(sweep_dir, rows))
+            self._print(_announce(sweep_dir, rows), only_if_new=True)
         except Exception:
             log.exception("could not write the sweep summary in %s", sweep_dir)

@@ -25,10 +25,14 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+from recipes import console
 
-from recipes.data import load_hf_tokenizer
+console.quiet()  # before megatron-core: its notes about Transformer Engine, apex and absl
+
+import torch  # noqa: E402
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+from recipes.data import load_hf_tokenizer  # noqa: E402
 
 _worker_tokenizer = None
 
