@@ -204,9 +204,21 @@ def test_kpool_train_version_is_the_package_version(fresh_venv: Path, tmp_path: 
     assert proc.returncode == 0 and proc.stdout.strip() == f"kpool-recipes {_package_version()}", proc
 
 
+def test_a_tokenizer_without_the_data_extra_is_a_config_error_naming_it(fresh_venv: Path, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text("{}")  # never parsed: the import fails first
+    proc = subprocess.run(
+        [str(fresh_venv / "bin" / "kpool-train"), "model=glm5_tiny", "precision=fp32", "train.steps=2",
+         "logging.mode=disabled", f"data.tokenizer={tmp_path / 'tokenizer.json'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env=_venv_env(fresh_venv, KPOOL_RUN_ROOT=str(tmp_path / "runs"), KPOOL_RUN_ID="tok"))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "invalid config: data.tokenizer=" in proc.stderr and "kpool-recipes[data]" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "runs" / "tok").exists()
+
+
 @pytest.mark.parametrize("script", CONSOLE_SCRIPTS)
 def test_every_console_script_prints_its_help(fresh_venv: Path, script: str, tmp_path: Path) -> None:
     proc = subprocess.run([str(fresh_venv / "bin" / script), "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, env=_venv_env(fresh_venv))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "usage" in proc.stdout.lower() or script in proc.stdout, proc.stdout[-2000:]
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-3000:]  # no library warnings either
+    assert proc.stdout.lower().startswith(("usage", script)), proc.stdout[-2000:]
