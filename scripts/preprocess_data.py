@@ -25,7 +25,11 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from recipes import console
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a file from a checkout: this checkout's recipes
+    sys.path.insert(0, str(ROOT))
+
+from recipes import console  # noqa: E402
 
 console.quiet()  # before megatron-core: its notes about Transformer Engine, apex and absl
 
