@@ -13,6 +13,7 @@ from recipes.launch import console
 console.quiet()  # before megatron-core is imported (below, through recipes.config.schema)
 
 import logging  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -23,13 +24,17 @@ from hydra.core.hydra_config import HydraConfig  # noqa: E402
 from hydra.types import RunMode  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from recipes.launch.cli_info import answer_info_flags, register_help_resolver  # noqa: E402
 from recipes.config.keys import check_overrides  # noqa: E402
+from recipes.config.schema import register_configs  # noqa: E402
 from recipes.launch.distributed import register_resolvers  # noqa: E402
 from recipes.launch.run_dir import run_root, select_run  # noqa: E402
 from recipes.launch.run_owner import check_free  # noqa: E402
-from recipes.config.schema import register_configs  # noqa: E402
+from recipes.observe.sweep import SweepSummaryCallback  # noqa: E402
+from recipes.launch.unstarted_runs import discard_if_unstarted  # noqa: E402
 
 register_resolvers()
+register_help_resolver()
 register_configs()
 # megatron-core logs its full DDP/optimizer configs and bucket layouts at INFO.
 logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -40,13 +45,18 @@ def _task(cfg: DictConfig) -> float:
     from recipes.loop import run
 
     hc = HydraConfig.get()
-    with console.config_errors(exit_on_error=hc.mode == RunMode.RUN):
+    single, run_dir = hc.mode == RunMode.RUN, Path(hc.runtime.output_dir)
+    with console.config_errors(exit_on_error=single), \
+            discard_if_unstarted(run_dir, single_run=single, dry_run=bool(cfg.train.dry_run)):
         sweep = Path(hc.sweep.dir).name if hc.mode == RunMode.MULTIRUN else None
-        return run(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task), wandb_group=sweep)
+        return run(cfg, run_dir, list(hc.overrides.task), wandb_group=sweep)
+    return math.nan  # a sweep job's config error, printed above
 
 
 def main() -> None:
     """Check the overrides, pick the run directory (announced on the first line), train."""
+    if answer_info_flags(sys.argv[1:]):
+        return
     args = get_args_parser().parse_known_args(sys.argv[1:])[0]
     with console.config_errors(exit_on_error=True):
         check_overrides(args.overrides)
@@ -58,3 +68,5 @@ def main() -> None:
         if console.env_rank() == 0:
             print(first_line, flush=True)
     _task()
+    if args.multirun and SweepSummaryCallback.failed_jobs:
+        sys.exit(1)

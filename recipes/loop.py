@@ -36,13 +36,15 @@ from recipes.launch import distributed
 from recipes.checkpoint import resume as resume_lib
 from recipes.launch import run_owner
 from recipes.launch.console import duration
+from recipes.config.short_runs import fit_to_run_length
 from recipes.train.cuda_graph import ForwardBackward, capture_stream
 from recipes.train.data_checks import check_indexed_data
 from recipes.observe.drift import DriftMonitor
 from recipes.plan.dry_run import check_all, dry_run, flop_model
 from recipes.observe.indexer_loss import KEY as INDEXER_LOSS, IndexerLossMonitor
 from recipes.config.megatron import to_transformer_config
-from recipes.observe.metrics import (H200_BF16_TFLOPS, FlopModel, MetricsLogger, peak_memory_gib,
+from recipes.plan.peak_flops import PeakRates
+from recipes.observe.metrics import (FlopModel, MetricsLogger, peak_memory_gib,
                              reset_peak_memory)
 from recipes.train.model import build_gpt_model
 from recipes.train.nonfinite import NonFiniteGuard
@@ -95,6 +97,9 @@ def run(composed: DictConfig, run_dir: Path, overrides: Optional[list[str]] = No
 
 def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
                overrides: Optional[list[str]], wandb_group: Optional[str]) -> float:
+    for note in fit_to_run_length(composed, overrides or []):
+        if topo.rank == 0:
+            print(note, flush=True)
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
@@ -263,7 +268,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     logger = MetricsLogger(run_dir, cfg.logging, plain(cfg), enabled=rank0,
                            resume_step=progress.step, group=wandb_group)
     # precision: the map (console, run dir, wandb config) and the top-k drift monitor.
-    report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger)
+    report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger,
+                     full=cfg.logging.print_precision_map)
     drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     guard = PreemptionGuard()
@@ -271,6 +277,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     fwd_bwd = ForwardBackward(t)
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
+    peaks = PeakRates.for_device(torch.cuda.get_device_name(device) if device.type == "cuda" else "",
+                                 t.peak_tflops)
     loss = math.nan
     status, requeued = "completed", False
     train_start, first_step = time.perf_counter(), progress.step
@@ -311,7 +319,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 elapsed = time.perf_counter() - train_start
                 eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)
                 _log_step(logger, progress.step, loss, grad_norm, trainer, step_time,
-                          cfg.data.seq_length, tokens_per_step, flops, device, t.steps, extra,
+                          cfg.data.seq_length, tokens_per_step, flops, peaks, device, t.steps, extra,
                           f" | {duration(elapsed)} elapsed, ETA {duration(eta)}")
             elif extra:
                 logger.log(progress.step, extra)
@@ -351,7 +359,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float | torch.Tensor],
               trainer: Trainer, step_time: float, seq_length: int, tokens_per_step: int,
-              flops: FlopModel, device: torch.device, total_steps: int,
+              flops: FlopModel, peaks: PeakRates, device: torch.device, total_steps: int,
               extra: dict[str, float], timing: str) -> None:
     lr = trainer.optimizer.param_groups[0]["lr"]
     tokens_per_s = tokens_per_step / step_time
@@ -363,8 +371,9 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
     if device.type == "cuda":
         tflops = flops.per_token(seq_length) * tokens_per_s / dist.get_world_size() / 1e12
         scalars["tflops_per_gpu"] = tflops
-        scalars["mfu"] = tflops / H200_BF16_TFLOPS
-        line += f" | {tflops:.0f} TFLOP/s/GPU | MFU {scalars['mfu']:.1%}"
+        mfu, text = peaks.report(tflops)
+        scalars.update(mfu)
+        line += f" | {tflops:.0f} TFLOP/s/GPU{text}"
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
     if INDEXER_LOSS in extra:
         line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"

@@ -35,6 +35,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from recipes.launch import console  # noqa: E402
+
+console.quiet()  # before megatron-core: its notes about Transformer Engine, apex and absl
+
 import torch  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402

@@ -25,10 +25,18 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-import torch
-from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a file from a checkout: this checkout's recipes
+    sys.path.insert(0, str(ROOT))
 
-from recipes.train.data import load_hf_tokenizer
+from recipes.launch import console  # noqa: E402
+
+console.quiet()  # before megatron-core: its notes about Transformer Engine, apex and absl
+
+import torch  # noqa: E402
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder  # noqa: E402
+
+from recipes.train.data import load_hf_tokenizer  # noqa: E402
 
 _worker_tokenizer = None
 

@@ -90,5 +90,6 @@ def test_invalid_override_fails_before_building(tmp_path: Path) -> None:
     out = run_train(tmp_path, "bad", ["model.dsa_indexer_kpool=3"], check=False)
     assert out.returncode != 0
     assert "model.dsa_indexer_kpool=3" in out.stderr + out.stdout
-    result = json.loads((tmp_path / "bad" / "result.json").read_text())
-    assert result["status"] == "failed" and "dsa_indexer_kpool" in result["error"]
+    # A config error leaves no run directory (a rerun would "resume" it); sweep jobs keep their
+    # result.json (tests/test_kpool_training.py).
+    assert not (tmp_path / "bad").exists()

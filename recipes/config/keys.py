@@ -16,12 +16,13 @@ from typing import Any, Iterator, Optional
 
 from omegaconf import DictConfig
 
+from recipes.config.groups import SCHEMA_OPTION, group_options
 from recipes.config.schema import Config, ConfigError
 
 OPEN_PREFIXES = ("hydra",)
 """Declared extension points: top-level nodes whose keys the schema does not describe."""
 
-GROUPS = ("model", "precision", "parallelism", "data", "train", "logging", "experiment")
+GROUPS = ("model", "precision", "parallelism", "data", "train", "logging", "experiment", "debug")
 """Config groups: ``group=option`` selects a file of ``conf/<group>/``."""
 
 
@@ -96,6 +97,9 @@ def check_overrides(overrides: list[str]) -> None:
     for override in parsed:
         key = override.key_or_group
         value = None if override.is_sweep_override() else override.value()
+        if key in GROUPS and value == SCHEMA_OPTION:
+            raise ConfigError(key, value, f"one of {group_options(key)} (`{key}/schema` is the "
+                              "group's typed schema, not an option)")
         if key in GROUPS and (value is None or isinstance(value, str)):
             continue
         _check_value(key, value, known)

@@ -290,6 +290,8 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     keep_checkpoints: int = num(2, 1)
     dry_run: bool = False
+    # MFU's peak per GPU in TFLOP/s; null = the device's spec peak (recipes/plan/peak_flops.py)
+    peak_tflops: Optional[float] = num(None, 0.0, open_lo=True)
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels
     # Checkpoint safety (issue #14; recipes/checkpoint/resume.py, recipes/train/nonfinite.py).
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
@@ -320,6 +322,7 @@ class LoggingConfig:
     entity: Optional[str] = None
     run_name: Optional[str] = None
     tags: list[str] = field(default_factory=list)
+    print_precision_map: bool = False  # the console shows one line per role, not one line in all
 
 
 @dataclass

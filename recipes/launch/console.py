@@ -29,8 +29,8 @@ def env_rank() -> int:
 
 def quiet() -> None:
     """Install the warning filters, once per process: on rank 0 megatron-core's notes about optional packages it does not find (Transformer Engine,
-    apex, absl), torch.distributed's deprecations and the CPU shim's non-leaf ``.grad`` access are
-    dropped. Other ranks show no warnings (rank 0 shows the same ones)."""
+    apex, absl), torch.distributed's deprecations, the distributed checkpoint's load warnings
+    (:data:`DCP_LOAD_WARNINGS`) and the CPU shim's non-leaf ``.grad`` access are dropped. Other ranks show no warnings (rank 0 shows the same ones)."""
     global _installed
     if _installed:
         return
@@ -39,9 +39,27 @@ def quiet() -> None:
     if env_rank() != 0:
         warnings.simplefilter("ignore")
         return
+    install_filters()
+
+
+DCP_LOAD_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent "
+                  r"is to load in a single process"),
+    (UserWarning, r"The argument order of load has been changed"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+"""What torch's distributed checkpointing warns on every load or resume through megatron's
+dist_checkpointing (one process: the first two; megatron's ShardedTensor: the third, attributed to
+whichever frame calls it). Matched by message, so other warnings of these modules still show."""
+
+
+def install_filters() -> None:
+    """The rank-0 filters of :func:`quiet` (see there), also for tests."""
     warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not a leaf")
+    for category, message in DCP_LOAD_WARNINGS:
+        warnings.filterwarnings("ignore", category=category, message=message)
 
 
 class ConsoleFilter(logging.Filter):
@@ -62,19 +80,21 @@ class ConsoleFilter(logging.Filter):
 
 @contextlib.contextmanager
 def config_errors(exit_on_error: bool) -> Iterator[None]:
-    """Print a :class:`recipes.config.schema.ConfigError` as one paragraph (rank 0) and exit with status
-    2, no traceback; with ``exit_on_error=False`` (a sweep job: the sweep lists it as failed) or
-    ``HYDRA_FULL_ERROR=1`` it propagates."""
+    """Print a :class:`recipes.config.schema.ConfigError` as one paragraph (rank 0), no traceback, and
+    exit with status 2; with ``exit_on_error=False`` (a sweep job) the paragraph is printed and
+    the sweep goes on (the job's ``result.json`` and the sweep summary list it as failed, and the
+    sweep exits non-zero at its end). With ``HYDRA_FULL_ERROR=1`` it propagates."""
     from recipes.config.schema import ConfigError
 
     try:
         yield
     except ConfigError as err:
-        if not exit_on_error or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         if env_rank() == 0:
             print(f"Error: {err}\n(HYDRA_FULL_ERROR=1 shows the traceback.)", file=sys.stderr, flush=True)
-        sys.exit(2)
+        if exit_on_error:
+            sys.exit(2)
 
 
 def duration(seconds: float) -> str:

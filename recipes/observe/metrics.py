@@ -52,7 +52,7 @@ class FlopModel:
 WANDB_SECTIONS = {
     "loss": "train", "grad_norm": "train", "lr": "train",
     "tokens_per_s": "throughput", "step_time_s": "throughput", "tflops_per_gpu": "throughput",
-    "mfu": "throughput", "peak_mem_gib": "memory",
+    "mfu": "throughput", "mfu_matmul": "throughput", "peak_mem_gib": "memory",
 }
 """wandb panel section of each flat ``metrics.jsonl`` key; keys holding a ``/`` (``dsa/...``) keep
 their name, other keys go under ``train/``."""

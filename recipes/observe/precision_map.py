@@ -139,13 +139,28 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def report_precision(rows: list[dict[str, Any]], policy: PrecisionPolicy, run_dir: Path, logger: Any) -> None:
-    """Print the map of ``policy``, write ``run_dir/precision_map.json`` and add it to the wandb
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    """The map in one line: how many linears run FP8 (of all) and the DSA kernels' backends."""
+    linears = [r for r in rows if not str(r["role"]).startswith("kernel.")]
+    kernels = sorted({f"{r['role'].removeprefix('kernel.')} {r['backend']}" for r in rows
+                      if str(r["role"]).startswith("kernel.")})
+    fp8 = sum(bool(r["quantized"]) for r in linears)
+    text = f"{fp8}/{len(linears)} linears FP8"
+    return text + (f", kernels {', '.join(kernels)}" if kernels else "")
+
+
+def report_precision(rows: list[dict[str, Any]], policy: PrecisionPolicy, run_dir: Path, logger: Any,
+                     full: bool = False) -> None:
+    """Print the map of ``policy`` in one line (``full``: also one line per role,
+    ``logging.print_precision_map``), write ``run_dir/precision_map.json`` and add it to the wandb
     config (``logger``: :class:`recipes.observe.metrics.MetricsLogger`; a no-op on non-logging ranks)."""
     if not logger.enabled:
         return
-    print(f"precision {policy.name}: backend {resolve_backend(policy)}", flush=True)
-    for line in format_rows(rows):
-        print(line, flush=True)
-    (run_dir / "precision_map.json").write_text(json.dumps(rows, indent=1))
+    path = run_dir / "precision_map.json"
+    print(f"precision {policy.name}: backend {resolve_backend(policy)}, {summary_line(rows)}; map in {path}"
+          + ("" if full else " (logging.print_precision_map=true prints it)"), flush=True)
+    if full:
+        for line in format_rows(rows):
+            print(line, flush=True)
+    path.write_text(json.dumps(rows, indent=1))
     logger.update_config({"precision_map": rows})

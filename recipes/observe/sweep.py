@@ -42,6 +42,7 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.launch.result import RESULT_FILE, RunResult
+from recipes.observe.sweep_jobs import read_launched_jobs, record_launched_jobs
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +240,10 @@ def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
 def record_job_result(output_dir: Path, job_return: JobReturn) -> None:
     """Completes ``result.json`` from Hydra's job return: a failed job (the task raised) gets
     ``status: failed`` with the exception; a completed job that wrote none gets one from its
-    metrics. A ``result.json`` the job wrote itself is kept unless Hydra saw it fail."""
+    metrics. A ``result.json`` the job wrote itself is kept unless Hydra saw it fail. A run whose
+    directory is gone (a dry run's, :mod:`recipes.launch.unstarted_runs`) gets none."""
+    if not output_dir.is_dir():
+        return
     existing = RunResult.read(output_dir)
     failed = job_return.status == JobStatus.FAILED
     if existing is not None and (not failed or existing.status == "failed"):
@@ -252,12 +256,13 @@ def record_job_result(output_dir: Path, job_return: JobReturn) -> None:
               int(metrics[-1]["step"]) if metrics else 0).write(output_dir)
 
 
-def _announce(sweep_dir: Path, rows: list[dict[str, Any]]) -> None:
-    """Print where the summary is (after every job, so a sweep that stops at a failed job also
-    ends with it)."""
+def _announce(sweep_dir: Path, rows: list[dict[str, Any]]) -> str:
+    """The line saying where the summary is and how many of the launched jobs completed
+    (:mod:`recipes.observe.sweep_jobs`; the jobs found when the count was not recorded)."""
     done = sum(row["status"] == "completed" for row in rows)
-    print(f"sweep summary ({done}/{len(rows)} jobs completed): {sweep_dir / 'summary.md'} "
-          "(and summary.csv, summary.png)", flush=True)
+    total = read_launched_jobs(sweep_dir) or len(rows)
+    return (f"sweep summary ({done}/{total} jobs completed): {sweep_dir / 'summary.md'} "
+            "(and summary.csv, summary.png)")
 
 
 def _sweep_dir(config: DictConfig, output_dir: Path) -> Path:
@@ -272,8 +277,25 @@ def _sweep_dir(config: DictConfig, output_dir: Path) -> Path:
 class SweepSummaryCallback(Callback):
     """Hydra callback that keeps ``summary.{csv,md,png}`` of the sweep up to date (module doc).
 
-    Summary errors are logged, never raised: they must not fail a training job.
+    Summary errors are logged, never raised: they must not fail a training job. The summary line
+    is printed after every job (a sweep that stops at a failed job also ends with it) and at the
+    end of the sweep only when it says something new. :attr:`failed_jobs` (after the sweep) is
+    how many jobs did not complete: ``kpool-train -m`` exits non-zero then.
     """
+
+    failed_jobs: int = 0
+    _last_line: str | None = None
+
+    def _print(self, line: str, only_if_new: bool = False) -> None:
+        if not (only_if_new and line == SweepSummaryCallback._last_line):
+            print(line, flush=True)
+        SweepSummaryCallback._last_line = line
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            record_launched_jobs(config, Path(str(config.hydra.sweep.dir)).resolve())
+        except Exception:
+            log.exception("could not count the sweep's jobs")
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         output_dir = Path(str(config.hydra.runtime.output_dir))
@@ -281,13 +303,15 @@ class SweepSummaryCallback(Callback):
             record_job_result(output_dir, job_return)
             if config.hydra.mode == RunMode.MULTIRUN:
                 sweep_dir = _sweep_dir(config, output_dir)
-                _announce(sweep_dir, write_summary(sweep_dir))
+                self._print(_announce(sweep_dir, write_summary(sweep_dir)))
         except Exception:
             log.exception("could not write the sweep summary for job %s", output_dir)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
         try:
-            _announce(sweep_dir, write_summary(sweep_dir))
+            rows = write_summary(sweep_dir)
+            SweepSummaryCallback.failed_jobs = sum(row["status"] != "completed" for row in rows)
+            self._print(_announce(sweep_dir, rows), only_if_new=True)
         except Exception:
             log.exception("could not write the sweep summary in %s", sweep_dir)

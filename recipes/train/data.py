@@ -32,7 +32,7 @@ import importlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,11 @@ from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
 )
 from megatron.core.tokenizers.text.models import GPTTokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank
-from tokenizers import Tokenizer
 
 from recipes.config.schema import ConfigError, DataConfig, DataKind
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Tried in order when the tokenizer directory has no tokenizer_config.json naming an eos_token.
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
@@ -70,7 +72,7 @@ class TokenizersLibrary(MegatronTokenizerTextAbstract):
             file = file / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"no tokenizer.json at {path}")
-        self.tokenizer = Tokenizer.from_file(str(file))
+        self.tokenizer = _tokenizers_module(path).Tokenizer.from_file(str(file))
         self.eos_token = _eos_token(file.parent, self.tokenizer)
 
     def text_to_tokens(self, text: str) -> list[str]:
@@ -111,6 +113,19 @@ class TokenizersLibrary(MegatronTokenizerTextAbstract):
     @property
     def inv_vocab(self) -> dict[int, str]:
         return {i: t for t, i in self.tokenizer.get_vocab(with_added_tokens=True).items()}
+
+
+def _tokenizers_module(path: str) -> Any:
+    """The ``tokenizers`` package, imported only when a tokenizer is loaded: mock data without
+    ``data.tokenizer`` (and ``pip install .`` without extras) never needs it."""
+    try:
+        return importlib.import_module("tokenizers")
+    except ModuleNotFoundError as err:
+        raise ConfigError(
+            "data.tokenizer", path,
+            "a tokenizer needs the `tokenizers` package: pip install 'kpool-recipes[data]' "
+            "(or leave data.tokenizer unset with data=mock)",
+        ) from err
 
 
 def _eos_token(directory: Path, tokenizer: Tokenizer) -> str:

@@ -1,0 +1,34 @@
+"""MFU was computed against one constant (the H200's measured matmul rate) whatever GPU ran it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from recipes.plan.peak_flops import PeakRates, spec_peak
+from tests.train_runner import metrics, run_train
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989.0), ("NVIDIA H100 PCIe", 756.0),
+                                        ("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0),
+                                        ("NVIDIA B200", 2250.0), ("NVIDIA A100-SXM4-80GB", None)])
+def test_spec_peak_by_device_name(name: str, peak: float | None) -> None:
+    assert spec_peak(name) == peak
+
+
+def test_both_mfu_figures_on_an_h200_the_spec_one_elsewhere_and_the_override_wins() -> None:
+    scalars, text = PeakRates.for_device("NVIDIA H200").report(494.5)
+    assert scalars == {"mfu": 494.5 / 989.0, "mfu_matmul": 494.5 / 756.0}
+    assert text == " | MFU 50.0% of 989 spec, 65.4% of 756 matmul"
+    assert PeakRates.for_device("NVIDIA B200").report(1125.0)[0] == {"mfu": 0.5}
+    assert PeakRates.for_device("NVIDIA A100-SXM4-80GB").report(100.0) == ({}, "")
+    assert PeakRates.for_device("NVIDIA A100-SXM4-80GB", 312.0).report(156.0)[0] == {"mfu": 0.5}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_training_on_a_gpu_logs_the_spec_mfu(tmp_path) -> None:
+    run_train(tmp_path, "mfu", ["model=glm5_tiny", "precision=bf16", "train.steps=2", "logging.mode=disabled",
+                                "train.save_final=false", "train.peak_tflops=1000"])
+    rows = metrics(tmp_path / "mfu")
+    assert all(abs(r["mfu"] - r["tflops_per_gpu"] / 1000.0) < 1e-12 for r in rows)
