@@ -49,6 +49,8 @@ from recipes.optimizer import build_optimizer
 from recipes.precision_setup import kernel_rows, precision_map, report_precision
 from recipes.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.preflight import preflight
+from recipes.replay.dataset import RolloutDataset
+from recipes.replay.step import RolloutStep, rollout_step
 from recipes.run_result import RunResult
 from recipes.schema import Config, CudaGraphImpl, validate
 from recipes.typed_config import plain, to_config
@@ -163,10 +165,13 @@ def packed_eod_id(cfg: Config, tokenizer: MegatronTokenizerBase) -> Optional[int
 
 def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
-    dataset = data_lib.build_train_dataset(
-        d, tokenizer=tokenizer, seq_length=d.seq_length,
-        num_samples=t.steps * t.global_batch_size, seed=t.seed,
-    )
+    if d.kind.value == "rollout":  # records read and validated here, before the first step
+        dataset = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
+    else:
+        dataset = data_lib.build_train_dataset(
+            d, tokenizer=tokenizer, seq_length=d.seq_length,
+            num_samples=t.steps * t.global_batch_size, seed=t.seed,
+        )
     return data_lib.ResumableBatchIterator(
         dataset, micro_batch_size=t.micro_batch_size,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
@@ -192,16 +197,23 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
-                 model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
-    this context-parallel rank's part of it (:func:`recipes.data.context_parallel_slice`; the
-    packed documents' boundaries describe the whole row)."""
+                 model: torch.nn.Module, rollout: Optional[RolloutStep] = None
+                 ) -> tuple[torch.Tensor, Callable]:
+    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``,
+    or a rollout row with its replay when ``rollout``), this context-parallel rank's part of it
+    (:func:`recipes.data.context_parallel_slice`; the packed documents' boundaries describe the
+    whole row)."""
     batch = {k: to_device(v, device) for k, v in next(data_iterator).items()
              if k != "attention_mask"}
-    packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
+    if rollout is not None:
+        packed = rollout.prepare(batch)
+    else:
+        packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
     batch = data_lib.context_parallel_slice(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=packed)
+    if rollout is not None:
+        return output, partial(rollout.loss, _loss, batch)
     return output, partial(_loss, batch["loss_mask"])
 
 
@@ -247,6 +259,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     report_precision(trainer.precision_map, trainer.tcfg.precision, run_dir, logger)
     drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
+    rollout = rollout_step(cfg, trainer.model)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
     fwd_bwd = ForwardBackward(t)
@@ -263,9 +276,12 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             measure_drift = drift.due(progress.step + 1)
             if measure_drift:
                 drift.arm()
+            if rollout is not None:
+                rollout.begin(measure_drift)
             reports = fwd_bwd(  # the drift hooks run Python in the forward: no graph replay
-                eager=measure_drift,
-                forward_step_func=partial(forward_step, device, eod_id), data_iterator=batches,
+                eager=measure_drift or rollout is not None,
+                forward_step_func=partial(forward_step, device, eod_id, rollout=rollout),
+                data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False,
@@ -288,6 +304,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             step_time = time.perf_counter() - start
             logged = progress.step % t.log_interval == 0 or progress.step == t.steps
             extra = indexer_loss.step_scalars(trainer.model, progress.step, logged)
+            if rollout is not None:
+                extra.update(rollout.end(reports, device))
             if logged:
                 elapsed = time.perf_counter() - train_start
                 eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)

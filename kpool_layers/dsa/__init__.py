@@ -1,0 +1,1 @@
+"""DeepSeek sparse attention (DSA) parts."""
