@@ -2,9 +2,12 @@
 run's precision on the rows ``data=rollout`` will pack, with hooks capturing every computing
 indexer's top-k and megatron's ``RouterReplay`` recording every router's experts.
 
-Each sample's record holds its tokens, loss mask, logprobs (``-`` the model's per-token loss of
-the packed row, the same function and numerics training computes), ``indexer_topk.layer_<L>``
-rebased to the sample start, ``routed_experts.layer_<L>`` and the model facts as metadata.
+Per packed row: a first forward records the routers' experts; a second forward replays them (the
+padding routed as ``data=rollout`` routes it) and gives the indexers' top-k and the logprobs
+(``-`` the per-token loss, the function and numerics training computes), so replaying the records
+in training repeats that forward exactly. Each sample's record holds its tokens, loss mask,
+logprobs, ``indexer_topk.layer_<L>`` rebased to the sample start, ``routed_experts.layer_<L>``
+and the model facts as metadata.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from recipes.schema import Config
 
 def build_recording_model(cfg: Config) -> torch.nn.Module:
     """The model training builds for ``cfg`` (same seed, so the same initial weights; or
-    ``train.load``'s weights), with megatron's ``RouterReplay`` on every router. Needs
+    ``train.load``'s weights), its indexers selecting (no top-k replay) and megatron's
+    ``RouterReplay`` on every router. Needs
     torch.distributed initialised (one rank)."""
     distributed.init_model_parallel(cfg.parallelism, cfg.train.seed)
     tcfg = to_transformer_config(cfg)
+    tcfg.dsa_topk_replay = False  # the indexers select: their top-k is what is recorded
     tcfg.moe_enable_routing_replay = bool(cfg.model.num_moe_experts)
     model: torch.nn.Module = build_gpt_model(cfg, tcfg)
     model = model.cuda() if torch.cuda.is_available() else model.to(
@@ -54,6 +59,36 @@ def _indexer_hooks(model: torch.nn.Module, captured: dict[int, torch.Tensor]) ->
     return handles
 
 
+def _forward(model: torch.nn.Module, row: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The per-token loss ``[1, s]`` of a packed row, as a training forward computes it."""
+    with torch.enable_grad():
+        return model(row["tokens"], row["position_ids"], None, labels=row["labels"],
+                     packed_seq_params=packed_seq_params_from_starts(row["sample_starts"])).detach()
+
+
+def _recorded_experts(model: torch.nn.Module, row: dict[str, torch.Tensor],
+                      layer_routers: dict[int, torch.nn.Module]) -> dict[int, torch.Tensor]:
+    """Every router's experts for the row (a forward under ``RECORD``), then made the routers'
+    replay targets with the padding routed as ``data=rollout`` routes it (``pack_row``), so the
+    recording forward after it is the training forward bit for bit (the experts' GEMM shapes, and
+    so their roundings, depend on every token routed to them)."""
+    if not layer_routers:
+        return {}
+    for router in layer_routers.values():
+        router.router_replay.clear_indices()
+        router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+    _forward(model, row)
+    padding = ~row["sample_tokens"].reshape(-1, 1)
+    experts = {}
+    for n, router in layer_routers.items():
+        recorded = router.router_replay.get_recorded_indices()
+        experts[n] = torch.where(padding, torch.arange(recorded.shape[1], device=recorded.device), recorded)
+        router.router_replay.clear_indices()
+        router.router_replay.set_target_indices(experts[n])
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    return {n: e.cpu() for n, e in experts.items()}
+
+
 def record_rollouts(cfg: Config, model: torch.nn.Module, samples: list[torch.Tensor], out_dir: Path,
                     loss_masks: Optional[list[torch.Tensor]] = None) -> list[Path]:
     """Write ``record_<i>.safetensors`` for every sample (int64 ``[s_i]`` tokens; ``loss_masks``
@@ -73,15 +108,10 @@ def record_rollouts(cfg: Config, model: torch.nn.Module, samples: list[torch.Ten
         for row_ids in pack(records, cfg.data.seq_length):
             row = {k: v.unsqueeze(0).to(device) for k, v in
                    pack_row([records[i] for i in row_ids], cfg.data.seq_length, layers).items()}
-            for router in layer_routers.values():
-                router.router_replay.clear_indices()
-                router.router_replay.set_router_replay_action(RouterReplayAction.RECORD)
+            experts = _recorded_experts(model, row, layer_routers)
             captured.clear()
-            with torch.enable_grad():
-                loss = model(row["tokens"], row["position_ids"], None, labels=row["labels"],
-                             packed_seq_params=packed_seq_params_from_starts(row["sample_starts"]))
-            logp = -loss.detach().float()[0].cpu()  # [s]: logprob of labels[p]
-            experts = {n: r.router_replay.get_recorded_indices().cpu() for n, r in layer_routers.items()}
+            loss = _forward(model, row)
+            logp = -loss[0].float().cpu()  # [s]: logprob of labels[p]
             topk = {n: idx[0].cpu() for n, idx in captured.items()}
             offset = 0
             for i in row_ids:
