@@ -246,3 +246,29 @@ def test_perturbed_records_change_the_loss(tmp_path: Path, single_rank_parallel_
     other = _forward_loss(cfg, model, perturbed)
     changed = (other[0] - loss[0]).abs()[row["sample_tokens"]]
     assert changed.max() > 1e-3, changed.max()
+
+
+def test_replay_with_indexshare_and_indexer_loss(tmp_path: Path, single_rank_parallel_state) -> None:
+    """IndexShare records only the computing layers (skip layers take their source's replayed
+    indices) and the indexer loss runs on the replayed keys; the recorded logprobs come back bit
+    for bit (the same forward) and every computing layer records its KL."""
+    from kpool_layers.attention import collect_indexer_losses
+    from recipes.replay.recorder import build_recording_model, record_rollouts
+
+    overrides = ["data=rollout", f"data.rollout_dir={tmp_path}", "model.dsa_topk_replay=true",
+                 "model.moe_router_replay=true", "model.dsa_indexer_topk_freq=2",
+                 "model.dsa_indexer_loss_coeff=0.01", "model.dsa_indexer_use_sparse_loss=true"]
+    cfg = to_config(_compose(TINY + overrides))
+    model = build_recording_model(cfg)
+    gen = torch.Generator().manual_seed(1)
+    record_rollouts(cfg, model, [torch.randint(0, 511, (25,), generator=gen) for _ in range(2)], tmp_path)
+    collect_indexer_losses(model)
+    model.config.dsa_topk_replay = True
+    dataset = RolloutDataset(cfg)
+    assert sorted(dataset.records[0].topk) == [1, 3]
+    row = dataset[0]
+    loss = _forward_loss(cfg, model, row)
+    mask = row["has_rollout_logprobs"]
+    assert torch.equal(-loss[0][mask], row["rollout_logprobs"][mask])
+    assert sorted(collect_indexer_losses(model)) == ["decoder.layers.0.self_attention",
+                                                     "decoder.layers.2.self_attention"]
