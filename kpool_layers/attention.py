@@ -44,7 +44,8 @@ whole row) and the indexer's keys are global; the sparse-MLA core attention gets
 position (``query_pos``).
 
 Top-k replay (``config.dsa_topk_replay``, :mod:`kpool_layers.dsa.replay`): computing layers attend
-to the micro batch's recorded indices; the indexer runs only for its loss or a measurement.
+to the micro batch's recorded indices; the indexer runs only for its loss or a measurement. Recorded
+indices without replay are only measured against (how much of them the indexer selects).
 
 IndexShare (``dsa_indexer_topk_freq > 1``): the config's ``computes_topk`` / ``topk_source_layer``
 (:mod:`kpool_layers.model_facts`, megatron's rule) decide the layers that compute top-k; skip layers
@@ -413,7 +414,8 @@ class GLMSparseMLA(MegatronModule):
             return self.topk_share.get(self.source_layer, packed_seq_params), None
         replay = self._replay(packed_seq_params)
         with_loss = self.uses_indexer_loss and self.training and torch.is_grad_enabled()
-        if replay is not None and not (with_loss or replay.measure):  # the indexer is not needed
+        replaying = replay is not None and self.config.dsa_topk_replay
+        if replaying and not (with_loss or replay.measure):  # the indexer is not needed
             replayed = replay.for_layer(self.layer_number, self.config.dsa_indexer_output_width)
             if self.topk_share is not None:
                 self.topk_share.put(self.layer_number, replayed, packed_seq_params)
@@ -428,21 +430,20 @@ class GLMSparseMLA(MegatronModule):
                                         mla_interleaved=self.config.dsa_indexer_rope_interleaved)
         with torch.set_grad_enabled(with_loss):
             out = self.indexer(hidden, q_latent, rotary_fn, cu_seqlens)
-        if replay is not None:  # attend to (and take the loss's sparse target on) the replayed keys
-            replayed = replay.for_layer(self.layer_number, out.topk_indices.shape[-1])
+        if replay is not None:
+            recorded = replay.for_layer(self.layer_number, out.topk_indices.shape[-1])
             if replay.measure:
-                replay.record_overlap(self.layer_number, out.topk_indices, replayed)
-            out = dataclasses.replace(out, topk_indices=replayed)
+                replay.record_overlap(self.layer_number, out.topk_indices, recorded)
+            if replaying:  # attend to (and take the loss's sparse target on) the replayed keys
+                out = dataclasses.replace(out, topk_indices=recorded)
         if self.topk_share is not None:
             self.topk_share.put(self.layer_number, out.topk_indices, packed_seq_params)
         return out.topk_indices, (out if with_loss else None)
 
     def _replay(self, packed_seq_params: Optional[PackedSeqParams]) -> Optional[TopKReplay]:
-        """The micro batch's recorded top-k under ``config.dsa_topk_replay`` (else None)."""
-        if not self.config.dsa_topk_replay:
-            return None
+        """The micro batch's recorded top-k (None if none; required by ``config.dsa_topk_replay``)."""
         replay = TopKReplay.of(packed_seq_params)
-        if replay is None:
+        if replay is None and self.config.dsa_topk_replay:
             raise ValueError("dsa_topk_replay needs recorded top-k on the forward's packed_seq_params "
                              "(kpool_layers.dsa.replay.TopKReplay.attach)")
         return replay

@@ -272,3 +272,37 @@ def test_replay_with_indexshare_and_indexer_loss(tmp_path: Path, single_rank_par
     assert torch.equal(-loss[0][mask], row["rollout_logprobs"][mask])
     assert sorted(collect_indexer_losses(model)) == ["decoder.layers.0.self_attention",
                                                      "decoder.layers.2.self_attention"]
+
+
+def test_without_replay_the_overlaps_name_the_layers_that_differ(tmp_path: Path,
+                                                                 single_rank_parallel_state) -> None:
+    """Replay off, measured step: the model attends and routes by itself (the loss ignores the
+    records) and the per-layer overlaps show which layers' records it does not reproduce: layer 3's
+    top-k and layer 4's experts are perturbed, every other layer's overlap stays exactly 1."""
+    from recipes.replay.recorder import build_recording_model, record_rollouts
+    from recipes.replay.step import RolloutStep
+
+    cfg = to_config(_compose(TINY + ["data=rollout", f"data.rollout_dir={tmp_path}"]))
+    model = build_recording_model(cfg)
+    gen = torch.Generator().manual_seed(2)
+    record_rollouts(cfg, model, [torch.randint(0, 511, (30,), generator=gen) for _ in range(2)], tmp_path)
+    row = RolloutDataset(cfg)[0]
+    perturbed = dict(row)
+    idx = row["indexer_topk.layer_3"]
+    perturbed["indexer_topk.layer_3"] = torch.where(torch.arange(idx.shape[1]) == 0,
+                                                    torch.arange(idx.shape[0]).unsqueeze(1), -1)
+    perturbed["routed_experts.layer_4"] = (row["routed_experts.layer_4"] + 1) % cfg.model.num_moe_experts
+    losses, scalars = [], []
+    for batch_row in (row, perturbed):
+        step = RolloutStep(cfg, model)
+        step.begin(measure=True)
+        batch = {k: v.unsqueeze(0) for k, v in batch_row.items()}
+        with torch.enable_grad():
+            losses.append(model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                                packed_seq_params=step.prepare(batch)).detach())
+        scalars.append(step.end([], torch.device("cpu")))
+    assert torch.equal(losses[0], losses[1])
+    assert all(scalars[0][f"dsa/replay_topk_overlap/layer_{n}"] == 1.0 for n in (1, 2, 3, 4))
+    assert all(scalars[0][f"moe/replay_expert_overlap/layer_{n}"] == 1.0 for n in (2, 3, 4))
+    assert [scalars[1][f"dsa/replay_topk_overlap/layer_{n}"] < 1.0 for n in (1, 2, 3, 4)] == [False, False, True, False]
+    assert [scalars[1][f"moe/replay_expert_overlap/layer_{n}"] < 1.0 for n in (2, 3, 4)] == [False, False, True]

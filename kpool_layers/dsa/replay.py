@@ -7,8 +7,9 @@ slots), so pipeline schedules and recomputation read their own micro batch's ind
 
 The indexer still runs where its scores are needed: for the indexer loss (whose sparse target is
 then the attention's mass on the replayed keys) and when :attr:`TopKReplay.measure` is set, which
-also records how much of the replayed selection the indexer's own selection contains
-(:meth:`TopKReplay.overlaps`).
+also records how much of the recorded selection the indexer's own selection contains
+(:meth:`TopKReplay.overlaps`). Attached without ``dsa_topk_replay`` the indices are only measured
+against: the layers attend to their own selection.
 """
 
 from __future__ import annotations

@@ -59,15 +59,22 @@ def recomputed_map(router: TopKRouter, hidden: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertOverlap:
-    """While armed, per MoE layer: replayed (token, expert) pairs the router would also have
-    chosen, and all replayed pairs of the tokens ``valid`` marks (set before each forward)."""
+    """While armed, per MoE layer: recorded (token, expert) pairs the router would also choose
+    itself (:func:`recomputed_map`), and all recorded pairs, over the tokens ``valid`` marks.
+    Set the micro batch's recorded experts and valid tokens with :meth:`set_batch` before its
+    forward."""
 
     def __init__(self, layer_routers: dict[int, TopKRouter]) -> None:
         self.layer_routers = layer_routers
+        self.recorded: dict[int, torch.Tensor] = {}
         self.valid: torch.Tensor | None = None
         self.hits: dict[int, torch.Tensor] = {}
         self.counts: dict[int, torch.Tensor] = {}
         self._handles: list[RemovableHandle] = []
+
+    def set_batch(self, experts: dict[int, torch.Tensor], valid: torch.Tensor) -> None:
+        """The micro batch's recorded experts (int64 ``[N, k]`` per layer) and valid tokens ``[N]``."""
+        self.recorded, self.valid = experts, valid.reshape(-1, 1)
 
     def arm(self) -> None:
         self.hits, self.counts = {}, {}
@@ -81,10 +88,11 @@ class ExpertOverlap:
 
     def _hook(self, layer: int) -> Any:
         def record(router: TopKRouter, args: tuple, output: tuple) -> None:
-            replayed = output[1].bool()
-            valid = self.valid.reshape(-1, 1).to(replayed.device)
-            hits = ((recomputed_map(router, args[0]) & replayed) & valid).sum()
-            count = (replayed & valid).sum()
-            self.hits[layer] = self.hits.get(layer, 0) + hits
-            self.counts[layer] = self.counts.get(layer, 0) + count
+            if layer not in self.recorded:  # records without routing: nothing to compare with
+                return
+            own = recomputed_map(router, args[0])
+            recorded = torch.zeros_like(own).scatter_(1, self.recorded[layer].to(own.device), True)
+            recorded &= self.valid.to(own.device)
+            self.hits[layer] = self.hits.get(layer, 0) + (own & recorded).sum()
+            self.counts[layer] = self.counts.get(layer, 0) + recorded.sum()
         return record

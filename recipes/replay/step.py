@@ -12,9 +12,10 @@ forward-backward for the step's scalars:
   ``rollout/logprob_abs_diff_max``;
 * ``rollout/kl``: the k3 estimate of KL(rollout || train) over the same tokens (sampled by the
   rollout), mean of ``exp(d) - 1 - d`` with ``d = logp_train - logp_rollout`` (>= 0);
-* on measured steps with replay: ``dsa/replay_topk_overlap/layer_<L>`` (the share of replayed
-  keys the indexer's own top-k also selects) and ``moe/replay_expert_overlap/layer_<L>`` (the
-  share of replayed experts the router would also choose), and their means over layers.
+* on measured steps (the drift interval), for the selections the records hold, with or without
+  replay: ``dsa/replay_topk_overlap/layer_<L>`` (the share of recorded keys the indexer's own
+  top-k also selects) and ``moe/replay_expert_overlap/layer_<L>`` (the share of recorded experts
+  the router would also choose), and their means over layers: where the gap comes from.
 
 Sums are over micro batches and data-parallel ranks (rollout data runs with TP = PP = CP = 1).
 """
@@ -47,7 +48,7 @@ class RolloutStep:
     def __init__(self, cfg: Config, model: torch.nn.Module) -> None:
         self.dsa = cfg.model.dsa_topk_replay
         self.moe = cfg.model.moe_router_replay
-        self.routers = routers(model) if self.moe else {}
+        self.routers = routers(model)
         self.experts = ExpertOverlap(self.routers)
         self.measure = False
         self.replays: list[TopKReplay] = []
@@ -56,20 +57,23 @@ class RolloutStep:
         """Before a step's forward-backward; ``measure``: record the replay overlaps."""
         self.measure = measure
         self.replays = []
-        if measure and self.moe:
+        if measure and self.routers:
             self.experts.arm()
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> PackedSeqParams:
         """The micro batch's (one row ``[1, s]``) ``PackedSeqParams``, with its replay attached."""
         packed = packed_seq_params_from_starts(batch["sample_starts"])
-        if self.dsa:
-            replay = TopKReplay(_layer_tensors(batch, TOPK_PREFIX), measure=self.measure)
+        topk = _layer_tensors(batch, TOPK_PREFIX)
+        if self.dsa or (self.measure and topk):
+            replay = TopKReplay(topk, measure=self.measure)
             replay.attach(packed)
             self.replays.append(replay)
+        experts = {layer: idx.reshape(-1, idx.shape[-1])
+                   for layer, idx in _layer_tensors(batch, EXPERTS_PREFIX).items()}
         if self.moe:
-            experts = _layer_tensors(batch, EXPERTS_PREFIX)
-            set_targets(self.routers, {layer: idx.reshape(-1, idx.shape[-1]) for layer, idx in experts.items()})
-            self.experts.valid = batch["sample_tokens"]
+            set_targets(self.routers, experts)
+        if self.measure and experts:
+            self.experts.set_batch(experts, batch["sample_tokens"])
         return packed
 
     @staticmethod
@@ -102,7 +106,8 @@ class RolloutStep:
                        "rollout/logprob_abs_diff_max": float(peak[0]),
                        "rollout/kl": float(sums[1] / sums[2])}
         if self.measure:
-            self.experts.disarm()
+            if self.routers:
+                self.experts.disarm()
             scalars.update(self._overlaps("dsa/replay_topk_overlap", self._topk_counts(), device))
             scalars.update(self._overlaps("moe/replay_expert_overlap",
                                           {layer: (self.experts.hits[layer], self.experts.counts[layer])
