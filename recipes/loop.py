@@ -52,7 +52,7 @@ from recipes.preflight import preflight
 from recipes.replay.dataset import RolloutDataset
 from recipes.replay.step import RolloutStep, rollout_step
 from recipes.run_result import RunResult
-from recipes.schema import Config, CudaGraphImpl, validate
+from recipes.schema import Config, CudaGraphImpl, DataKind, validate
 from recipes.typed_config import plain, to_config
 
 
@@ -163,10 +163,11 @@ def packed_eod_id(cfg: Config, tokenizer: MegatronTokenizerBase) -> Optional[int
     return int(tokenizer.eod)
 
 
-def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
+def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase,
+             rollout_data: Optional[RolloutDataset] = None) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
-    if d.kind.value == "rollout":  # records read and validated here, before the first step
-        dataset = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
+    if rollout_data is not None:
+        dataset = rollout_data
     else:
         dataset = data_lib.build_train_dataset(
             d, tokenizer=tokenizer, seq_length=d.seq_length,
@@ -241,6 +242,9 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
         _print0(message)
+    rollout_data = None  # data=rollout: every record read and validated before the build
+    if cfg.data.kind is DataKind.rollout:
+        rollout_data = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
     trainer = _build(cfg)
     progress = ckpt.Progress()
     if plan.path is not None:
@@ -250,7 +254,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
     device = distributed.device()
-    batches = _batches(cfg, progress.consumed_samples, tokenizer)
+    batches = _batches(cfg, progress.consumed_samples, tokenizer, rollout_data)
     eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging, plain(cfg), enabled=rank0,

@@ -306,3 +306,18 @@ def test_without_replay_the_overlaps_name_the_layers_that_differ(tmp_path: Path,
     assert all(scalars[0][f"moe/replay_expert_overlap/layer_{n}"] == 1.0 for n in (2, 3, 4))
     assert [scalars[1][f"dsa/replay_topk_overlap/layer_{n}"] < 1.0 for n in (1, 2, 3, 4)] == [False, False, True, False]
     assert [scalars[1][f"moe/replay_expert_overlap/layer_{n}"] < 1.0 for n in (2, 3, 4)] == [False, False, True]
+
+
+def test_train_refuses_a_bad_record_before_the_build(tmp_path: Path) -> None:
+    """train.py with a record of an out-of-range expert fails naming the file, key and row."""
+    layers = _layers()
+    for i in range(2):
+        parts = _valid(20, layers, seed=i)
+        if i == 1:
+            parts["experts"][3][7, 0] = 9
+        write_record(tmp_path / f"r{i}.safetensors", **parts)
+    proc = run_train(tmp_path, "bad", REPLAY + [f"data.rollout_dir={tmp_path}"], check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert f"{tmp_path / 'r1.safetensors'}: routed_experts.layer_3 row 7" in out, out[-3000:]
+    assert "moe.router" not in out  # the precision table, printed after the build, is not

@@ -32,7 +32,7 @@ from kpool_layers.dsa.replay import TopKReplay
 from recipes.replay.dataset import packed_seq_params_from_starts
 from recipes.replay.records import EXPERTS_PREFIX, TOPK_PREFIX
 from recipes.replay.routing import ExpertOverlap, routers, set_targets
-from recipes.schema import Config
+from recipes.schema import Config, DataKind
 
 LOGPROB_KEY = "rollout logprob"
 """Report entry of a micro batch: float64 ``[|d| sum, |d| max, k3 sum, tokens]``."""
@@ -138,4 +138,4 @@ class RolloutStep:
 
 def rollout_step(cfg: Config, model: torch.nn.Module) -> Optional[RolloutStep]:
     """A :class:`RolloutStep` for ``data=rollout``, else None."""
-    return RolloutStep(cfg, model) if cfg.data.kind.value == "rollout" else None
+    return RolloutStep(cfg, model) if cfg.data.kind is DataKind.rollout else None
