@@ -321,3 +321,23 @@ def test_train_refuses_a_bad_record_before_the_build(tmp_path: Path) -> None:
     assert proc.returncode != 0
     assert f"{tmp_path / 'r1.safetensors'}: routed_experts.layer_3 row 7" in out, out[-3000:]
     assert "moe.router" not in out  # the precision table, printed after the build, is not
+
+
+@pytest.mark.gpu
+def test_own_records_replay_with_zero_gap_in_bf16_on_gpu(tmp_path: Path) -> None:
+    """On a GPU in bf16 with the Triton DSA kernels: the training forward of a replayed row is the
+    recording forward repeated (same weights, same rows, replayed routing and top-k), so with the
+    deterministic forward kernels the precision map reports, the gap is exactly 0 and the
+    recorded top-k is the model's own."""
+    gpu = ["model=glm5_tiny", "precision=bf16", "model.dsa_kernels=triton", "data.seq_length=256"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "record_rollout.py"), "--out", str(tmp_path / "rollouts"),
+           "--num-samples", "8", "--min-length", "32", "--max-length", "200", *gpu]
+    proc = subprocess.run(cmd, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_train(tmp_path, "replay_gpu", gpu + [o for o in REPLAY if not o.startswith(("model=", "precision=", "data.seq_length"))]
+              + [f"data.rollout_dir={tmp_path / 'rollouts'}"])
+    row = next(r for r in metrics(tmp_path / "replay_gpu") if "rollout/logprob_abs_diff" in r)
+    assert row["rollout/logprob_abs_diff"] == 0.0 and row["rollout/kl"] == 0.0
+    # The top-k was recorded in the replayed forward itself; the experts in the forward before it,
+    # whose hidden states differ by roundings (the padding's routing), so their overlap is not pinned.
+    assert row["dsa/replay_topk_overlap"] == 1.0
