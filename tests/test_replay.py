@@ -112,6 +112,13 @@ def test_every_validation_error_names_file_key_and_row(tmp_path: Path, name: str
         assert f"row {row}" in message
 
 
+def test_an_unreadable_file_names_itself(tmp_path: Path) -> None:
+    path = tmp_path / "torn.safetensors"
+    path.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    with pytest.raises(RecordError, match="torn.safetensors: \\(file\\): not a readable safetensors"):
+        read_record(path, _layers())
+
+
 def test_replay_needs_its_layers_in_every_record(tmp_path: Path) -> None:
     """A record without routing may train without router replay, never with it."""
     layers = _layers()

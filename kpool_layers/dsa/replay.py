@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 

@@ -125,10 +125,13 @@ def read_record(path: Path, model: ModelLayers, *, require_topk: bool = False,
     (each family all-or-nothing; required when the replay needs it), ranges (tokens < vocab,
     top-k ``-1`` or ``0 <= j <= i`` of the query row ``i``, experts ``< num_experts`` and distinct
     per token) and the metadata facts. Raises :class:`RecordError` at the first problem."""
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        keys = list(f.keys())
-        tensors = {k: f.get_tensor(k) for k in keys}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            keys = list(f.keys())
+            tensors = {k: f.get_tensor(k) for k in keys}
+    except Exception as err:  # safetensors raises its own error types for unreadable files
+        raise RecordError(path, "(file)", f"not a readable safetensors file: {err}") from err
     for fact, value in meta.items():
         if fact in model.facts and value != model.facts[fact]:
             what = ("KPool records of another dsa_indexer_kpool" if fact == "dsa_indexer_kpool"
@@ -154,7 +157,7 @@ def read_record(path: Path, model: ModelLayers, *, require_topk: bool = False,
     loss_mask[0] = False
     if "loss_mask" in tensors:
         given = tensors["loss_mask"]
-        if given.shape != (s,) or given.dtype.is_complex:
+        if given.shape != (s,):
             raise RecordError(path, "loss_mask", f"must be [s]=[{s}], got {tuple(given.shape)}")
         row = _first_bad_row((given != 0) & (given != 1))
         if row is not None:
