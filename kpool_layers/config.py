@@ -29,6 +29,9 @@ class GLMTransformerConfig(MLATransformerConfig):
     dsa_indexer_kpool_train_ape: bool = False
     """Train the per-slot positional bias ``index_kpool_compress_ape`` (frozen by default)."""
 
+    dsa_topk_replay: bool = False
+    """Attend to replayed top-k indices instead of the indexer's (:mod:`kpool_layers.dsa.replay`)."""
+
     dsa_indexer_query_chunk_size: int = 1024
     """Queries scored at once by the indexer and the sparse attention; bounds memory to
     O(chunk * s) instead of O(s * s)."""

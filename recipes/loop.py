@@ -53,8 +53,10 @@ from recipes.observe.precision_map import kernel_rows, precision_map, report_pre
 from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.plan.preflight import preflight
 from recipes.launch.rank_agreement import check_ranks_agree
+from recipes.replay.dataset import RolloutDataset
+from recipes.replay.step import RolloutStep, rollout_step
 from recipes.launch.result import RunResult
-from recipes.config.schema import Config, CudaGraphImpl
+from recipes.config.schema import Config, CudaGraphImpl, DataKind
 from recipes.config.rules import validate
 from recipes.config.typed import plain, to_config
 
@@ -185,12 +187,16 @@ def packed_eod_id(cfg: Config, tokenizer: MegatronTokenizerBase) -> Optional[int
     return int(tokenizer.eod)
 
 
-def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase) -> data_lib.ResumableBatchIterator:
+def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase,
+             rollout_data: Optional[RolloutDataset] = None) -> data_lib.ResumableBatchIterator:
     d, t = cfg.data, cfg.train
-    dataset = data_lib.build_train_dataset(
-        d, tokenizer=tokenizer, seq_length=d.seq_length,
-        num_samples=t.steps * t.global_batch_size, seed=t.seed,
-    )
+    if rollout_data is not None:
+        dataset = rollout_data
+    else:
+        dataset = data_lib.build_train_dataset(
+            d, tokenizer=tokenizer, seq_length=d.seq_length,
+            num_samples=t.steps * t.global_batch_size, seed=t.seed,
+        )
     return data_lib.ResumableBatchIterator(
         dataset, micro_batch_size=t.micro_batch_size,
         dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
@@ -216,16 +222,23 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
-                 model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:
-    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``),
-    this context-parallel rank's part of it (:func:`recipes.train.data.context_parallel_slice`; the
-    packed documents' boundaries describe the whole row)."""
+                 model: torch.nn.Module, rollout: Optional[RolloutStep] = None
+                 ) -> tuple[torch.Tensor, Callable]:
+    """megatron's forward_step_func: one micro batch through the model (packed when ``eod_id``,
+    or a rollout row with its replay when ``rollout``), this context-parallel rank's part of it
+    (:func:`recipes.train.data.context_parallel_slice`; the packed documents' boundaries describe the
+    whole row)."""
     batch = {k: to_device(v, device) for k, v in next(data_iterator).items()
              if k != "attention_mask"}
-    packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
+    if rollout is not None:
+        packed = rollout.prepare(batch)
+    else:
+        packed = None if eod_id is None else data_lib.packed_seq_params_from_eod(batch["tokens"], eod_id)
     batch = data_lib.context_parallel_slice(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                    packed_seq_params=packed)
+    if rollout is not None:
+        return output, partial(rollout.loss, _loss, batch)
     return output, partial(_loss, batch["loss_mask"])
 
 
@@ -253,6 +266,9 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
         _print0(message)
+    rollout_data = None  # data=rollout: every record read and validated before the build
+    if cfg.data.kind is DataKind.rollout:
+        rollout_data = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
     trainer = _build(cfg)
     progress = ckpt.Progress()
     if plan.path is not None:
@@ -262,7 +278,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
     device = distributed.device()
-    batches = _batches(cfg, progress.consumed_samples, tokenizer)
+    batches = _batches(cfg, progress.consumed_samples, tokenizer, rollout_data)
     eod_id = packed_eod_id(cfg, tokenizer)
     rank0 = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, cfg.logging, plain(cfg), enabled=rank0,
@@ -272,6 +288,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                      full=cfg.logging.print_precision_map)
     drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
+    rollout = rollout_step(cfg, trainer.model)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
     fwd_bwd = ForwardBackward(t)
@@ -290,9 +307,12 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             measure_drift = drift.due(progress.step + 1)
             if measure_drift:
                 drift.arm()
+            if rollout is not None:
+                rollout.begin(measure_drift)
             reports = fwd_bwd(  # the drift hooks run Python in the forward: no graph replay
-                eager=measure_drift,
-                forward_step_func=partial(forward_step, device, eod_id), data_iterator=batches,
+                eager=measure_drift or rollout is not None,
+                forward_step_func=partial(forward_step, device, eod_id, rollout=rollout),
+                data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
                 forward_only=False,
@@ -315,6 +335,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             step_time = time.perf_counter() - start
             logged = progress.step % t.log_interval == 0 or progress.step == t.steps
             extra = indexer_loss.step_scalars(trainer.model, progress.step, logged)
+            if rollout is not None:
+                extra.update(rollout.end(reports, device))
             if logged:
                 elapsed = time.perf_counter() - train_start
                 eta = elapsed / (progress.step - first_step) * (t.steps - progress.step)

@@ -44,8 +44,9 @@ def test_every_option_composes(group: str, option: str) -> None:
     if group in ("model", "precision", "parallelism", "data", "logging"):
         assert cfg[group].name == option
     world = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
-    if group == "data" and option == "indexed":
-        with pytest.raises(ConfigError, match="data.paths"):
+    needs = {"indexed": "data.paths", "rollout": "data.rollout_dir"}  # data files the option needs
+    if group == "data" and option in needs:
+        with pytest.raises(ConfigError, match=needs[option]):
             validate(cfg, world)
         return
     validate(cfg, world)

@@ -43,6 +43,10 @@ gradient is reduce-scattered back). Positions, document boundaries (``cu_seqlens
 whole row) and the indexer's keys are global; the sparse-MLA core attention gets each query's
 position (``query_pos``).
 
+Top-k replay (``config.dsa_topk_replay``, :mod:`kpool_layers.dsa.replay`): computing layers attend
+to the micro batch's recorded indices; the indexer runs only for its loss or a measurement. Recorded
+indices without replay are only measured against (how much of them the indexer selects).
+
 IndexShare (``dsa_indexer_topk_freq > 1``): the config's ``computes_topk`` / ``topk_source_layer``
 (:mod:`kpool_layers.model_facts`, megatron's rule) decide the layers that compute top-k; skip layers
 build no indexer and take their source layer's indices from a :class:`TopKShare` shared by all
@@ -56,6 +60,7 @@ value is recorded for :func:`collect_indexer_losses`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -78,6 +83,7 @@ from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.dsa.context_parallel import cp_size, gather_sequence, query_positions
 from kpool_layers.dsa.core_attention import CORE_ATTENTION
 from kpool_layers.dsa.backends import range_topk_kernel
+from kpool_layers.dsa.replay import TopKReplay
 from kpool_layers.dsa.indexer import DSAIndexer, dsa_indexer_submodules
 from kpool_layers.dsa.indexer_loss import indexer_kl_loss
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, computed_by_owner, role_spec
@@ -406,6 +412,14 @@ class GLMSparseMLA(MegatronModule):
         indexer loss is computed in this forward (else None); ``positions`` as :meth:`_rotary_fn`'s."""
         if not self.computes_topk:
             return self.topk_share.get(self.source_layer, packed_seq_params), None
+        replay = self._replay(packed_seq_params)
+        with_loss = self.uses_indexer_loss and self.training and torch.is_grad_enabled()
+        replaying = replay is not None and self.config.dsa_topk_replay
+        if replaying and not (with_loss or replay.measure):  # the indexer is not needed
+            replayed = replay.for_layer(self.layer_number, self.config.dsa_indexer_output_width)
+            if self.topk_share is not None:
+                self.topk_share.put(self.layer_number, replayed, packed_seq_params)
+            return replayed, None
         hidden, q_latent = hidden.detach(), q_latent.detach()
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
@@ -414,12 +428,25 @@ class GLMSparseMLA(MegatronModule):
         if self.rotary is not None:
             rotary_fn = self._rotary_fn(positions, q_latent.size(0), q_latent.device,
                                         mla_interleaved=self.config.dsa_indexer_rope_interleaved)
-        with_loss = self.uses_indexer_loss and self.training and torch.is_grad_enabled()
         with torch.set_grad_enabled(with_loss):
             out = self.indexer(hidden, q_latent, rotary_fn, cu_seqlens)
+        if replay is not None:
+            recorded = replay.for_layer(self.layer_number, out.topk_indices.shape[-1])
+            if replay.measure:
+                replay.record_overlap(self.layer_number, out.topk_indices, recorded)
+            if replaying:  # attend to (and take the loss's sparse target on) the replayed keys
+                out = dataclasses.replace(out, topk_indices=recorded)
         if self.topk_share is not None:
             self.topk_share.put(self.layer_number, out.topk_indices, packed_seq_params)
         return out.topk_indices, (out if with_loss else None)
+
+    def _replay(self, packed_seq_params: Optional[PackedSeqParams]) -> Optional[TopKReplay]:
+        """The micro batch's recorded top-k (None if none; required by ``config.dsa_topk_replay``)."""
+        replay = TopKReplay.of(packed_seq_params)
+        if replay is None and self.config.dsa_topk_replay:
+            raise ValueError("dsa_topk_replay needs recorded top-k on the forward's packed_seq_params "
+                             "(kpool_layers.dsa.replay.TopKReplay.attach)")
+        return replay
 
     def _record_loss(self, loss: torch.Tensor) -> None:
         """Accumulate the KL per query of this rank's rows (``loss / dsa_indexer_loss_coeff``,

@@ -28,7 +28,8 @@ from recipes.config.typed import plain
 
 # ``model`` keys that are ours, not GLMTransformerConfig fields (handled below or by the model builder).
 _NOT_COPIED = {"name", "vocab_size", "max_position_embeddings", "untie_embeddings_and_output_weights",
-               "moe_first_k_dense_layers", "mtp_num_layers", "moe_grouped_gemm"}
+               "moe_first_k_dense_layers", "mtp_num_layers", "moe_grouped_gemm",
+               "moe_router_replay"}
 
 
 def sequence_parallel(parallelism: ParallelismConfig) -> bool:
@@ -95,6 +96,7 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         # MoE layer pattern and router precision (GLM-5 routes in FP32).
         moe_layer_freq=moe_layer_freq,
         moe_router_dtype="fp32" if experts else None,
+        moe_enable_routing_replay=m.moe_router_replay,  # megatron's RouterReplay (recipes.replay)
         moe_grouped_gemm=grouped_experts(m.moe_grouped_gemm, policy, on_gpu),
         mtp_num_layers=m.mtp_num_layers or None,
         # Parallelism.

@@ -151,12 +151,34 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
                  "a non-empty list of dataset prefixes (optionally weighted) when data.kind=indexed")
         _require(d.tokenizer is not None, "data.tokenizer", None,
                  "a local Hugging Face tokenizer path when data.kind=indexed")
+    _check_rollout(m, d, p, t)
     _require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
     _require(t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
     _validate_cuda_graph(cfg)
+
+
+def _check_rollout(m: DictConfig, d: DictConfig, p: DictConfig, t: DictConfig) -> None:
+    """Rollout data and the replay switches (docs/replay.md)."""
+    rollout = d.kind == DataKind.rollout
+    for key in ("dsa_topk_replay", "moe_router_replay"):
+        _require(rollout or not m[key], f"model.{key}", True,
+                 "false unless data=rollout (replay needs rollout records: data.rollout_dir)")
+    _require(m.num_moe_experts is not None or not m.moe_router_replay, "model.moe_router_replay",
+             True, "false for a model without experts (model.num_moe_experts=null)")
+    if not rollout:
+        return
+    _require(d.rollout_dir is not None, "data.rollout_dir", None,
+             "a directory of rollout records when data.kind=rollout")
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        _require(p[key] == 1, f"parallelism.{key}", p[key],
+                 "1 with data=rollout (rollout rows are not split over TP/PP/CP ranks yet; DP works)")
+    _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
+             "0 with data=rollout (records hold no MTP layers)")
+    _require(t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
+             "1 with data=rollout (each micro batch is one packed THD row)")
 
 
 def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:

@@ -143,6 +143,10 @@ class ModelConfig:
     dsa_indexer_kpool: int = num(1, 1, max(model_facts.KPOOL_ALLOWED))
     dsa_indexer_kpool_always_select_tail: bool = False
     dsa_indexer_kpool_train_ape: bool = False
+    # Rollout replay (data=rollout, docs/replay.md): attend to the recorded top-k / route to the
+    # recorded experts.
+    dsa_topk_replay: bool = False
+    moe_router_replay: bool = False
     # MoE (num_moe_experts = null: every layer dense).
     num_moe_experts: Optional[int] = num(8, 1)
     moe_first_k_dense_layers: int = num(1, 0)
@@ -224,6 +228,7 @@ class ParallelismConfig:
 class DataKind(str, Enum):
     mock = "mock"
     indexed = "indexed"
+    rollout = "rollout"
 
 
 @dataclass
@@ -241,6 +246,7 @@ class DataConfig:
     eod_mask_loss: bool = False
     cache_dir: Optional[str] = None
     num_workers: int = num(0, 0)
+    rollout_dir: Optional[str] = None  # data=rollout: the directory of rollout records
 
 
 class LrDecay(str, Enum):

@@ -174,7 +174,7 @@ def build_tokenizer(data_cfg: DataConfig, vocab_size: int) -> MegatronTokenizerB
                 f"{tokenizer.vocab_size}); or raise model.vocab_size",
             )
         return tokenizer
-    if data_cfg.kind != DataKind.mock:
+    if data_cfg.kind not in (DataKind.mock, DataKind.rollout):  # rollout records hold token ids
         raise ValueError(f"data.kind={data_cfg.kind!r} needs data.tokenizer")
     return MegatronTokenizer.from_pretrained(
         metadata_path={"library": "null-text"}, vocab_size=vocab_size
