@@ -189,6 +189,7 @@ class Route:
             chosen = self.backends[-1]
             for b in self.backends:
                 if not b.automatic:
+                    declined[b.name] = f"taken only when asked for ({self.config_key})"
                     continue
                 reason = b.decline(machine, automatic=True)
                 if reason is None:
@@ -233,6 +234,6 @@ def resolutions(machine: Optional[Machine] = None) -> list[dict[str, Any]]:
     rows = []
     for key in sorted(ROUTES):
         route = ROUTES[key]
-        resolution = route.latest or route.resolve(machine=machine)
+        resolution = route.latest or (route.default() if machine is None else route.resolve(machine=machine))
         rows.append({**resolution.row(), "allowed": route.names, "summary": route.summary})
     return rows
