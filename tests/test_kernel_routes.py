@@ -12,21 +12,24 @@ from kpool_layers.compat import wgrad_accumulation
 from kpool_layers.dsa import backends as dsa_kernels
 from kpool_layers.kernel_routes import KernelBackend, KernelUnavailable, Machine, Route
 from kpool_layers.loss import LOSS, FusedLossGPTModel, loss_backend
-from kpool_layers.moe.grouped_gemm import GROUPED_FP8
+from kpool_layers.moe.grouped_gemm import GROUPED_FP8, GROUPED_MM
 from kpool_layers.precision import fp8
 from kpool_layers.precision.fp8 import SERVING_QUANT
 from kpool_layers.precision.hadamard import HADAMARD, hadamard_butterfly, hadamard_transform
-from kpool_layers.precision.policy import FP8_DEQUANT, FP8_QUANT, dequantizer, quantizer
+from kpool_layers.precision.policy import FP8_DEQUANT, FP8_GEMM, FP8_QUANT, dequantizer, quantizer
 from recipes.observe.precision_map import KERNEL_ROUTES, format_rows, route_rows
 
 CPU = Machine(cuda=False)
-KEYS = {"dsa", "fp8_quant", "fp8_dequant", "serving_quant", "hadamard", "grouped_gemm", "loss", "wgrad"}
-FALLBACK = {"dsa": "torch", "fp8_quant": "torch", "fp8_dequant": "torch", "serving_quant": "torch",
-            "hadamard": "torch", "grouped_gemm": "loop", "loss": "megatron", "wgrad": "kpool"}
-CUDA_ONLY = {"dsa": ["triton"], "fp8_quant": ["triton"], "fp8_dequant": ["triton"], "serving_quant": ["triton"],
-             "hadamard": ["triton"], "grouped_gemm": ["triton"], "loss": ["triton"], "wgrad": []}
-"""The backends of each key that decline for want of a CUDA device (wgrad's apex declines for
-want of apex's extension, which this environment lacks)."""
+KEYS = {"dsa", "fp8_gemm", "fp8_quant", "fp8_dequant", "serving_quant", "hadamard", "grouped_gemm", "grouped_mm",
+        "loss", "wgrad"}
+FALLBACK = {"dsa": "torch", "fp8_gemm": "emulate", "fp8_quant": "torch", "fp8_dequant": "torch",
+            "serving_quant": "torch", "hadamard": "torch", "grouped_gemm": "loop", "grouped_mm": "loop",
+            "loss": "megatron", "wgrad": "kpool"}
+CUDA_ONLY = {"dsa": ["triton"], "fp8_gemm": [], "fp8_quant": ["triton"], "fp8_dequant": ["triton"],
+             "serving_quant": ["triton"], "hadamard": ["triton"], "grouped_gemm": ["triton"],
+             "grouped_mm": ["grouped_mm"], "loss": ["triton"], "wgrad": []}
+"""The backends of each key that decline for want of a CUDA device (fp8_gemm's torch declines for
+want of an FP8 GPU, wgrad's apex for want of apex's extension)."""
 
 
 def test_every_key_is_registered_and_listed() -> None:
@@ -51,6 +54,7 @@ def test_declined_reasons_of_the_other_checks() -> None:
     ampere = dsa_kernels.DSA.resolve(machine=Machine(cuda=True, capability=(8, 0)))
     assert ampere.backend == "torch" and ampere.declined["triton"] == "compute capability (8, 0) < (9, 0)"
     assert dsa_kernels.DSA.resolve(machine=Machine(cuda=True, capability=(9, 0))).backend == "triton"
+    assert FP8_GEMM.resolve(machine=CPU).declined["torch"] == "no CUDA GPU of compute capability >= 8.9"
     assert wgrad_accumulation.WGRAD.resolve(machine=CPU).declined["apex"] == (
         "apex's fused_weight_gradient_mlp_cuda extension not installed")
     missing = kernel_routes.needs_package("kpool_no_such_package", "pip install it")
@@ -125,13 +129,25 @@ def test_kernel_backends_load_what_their_owners_call() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU resolution")
 def test_hot_paths_resolve_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    for route in (HADAMARD, SERVING_QUANT, FP8_QUANT, FP8_DEQUANT, GROUPED_FP8):
+    for route in (HADAMARD, SERVING_QUANT, FP8_QUANT, FP8_DEQUANT, GROUPED_FP8, GROUPED_MM):
         assert route.default() is route.default() and route.default().backend == FALLBACK[route.key]
     monkeypatch.setattr(Machine, "here", staticmethod(lambda: pytest.fail("machine checked again")))
     x = torch.randn(3, 16)
     assert torch.equal(hadamard_transform(x, 0.25), hadamard_butterfly(x, 0.25))
     assert fp8.serving_index_quant(torch.randn(2, 128)).dtype == torch.bfloat16
     assert quantizer("torch", x) is fp8.quantize and dequantizer("torch", x) is fp8.dequantize
+
+
+def test_fp8_gemm_route_keeps_the_precision_backend_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kpool_layers.precision import policy
+
+    monkeypatch.setattr(policy, "_cuda_fp8_available", lambda: True)
+    assert policy.resolve_backend(policy.PrecisionPolicy(fp8=True)) == "torch" and FP8_GEMM.latest.declined == {}
+    assert policy.resolve_backend(policy.PrecisionPolicy(fp8=True, backend="emulate")) == "emulate"
+    assert FP8_GEMM.latest.forced
+    monkeypatch.setattr(policy, "_cuda_fp8_available", lambda: False)
+    assert policy.resolve_backend(policy.PrecisionPolicy(fp8=True)) == "emulate"
+    assert FP8_GEMM.latest.declined == {"torch": "no CUDA GPU of compute capability >= 8.9"}
 
 
 def test_route_tables_are_checked() -> None:

@@ -83,6 +83,15 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Ten
     return torch.stack([g_e.t() @ x_e for g_e, x_e in zip(torch.split(g, counts), torch.split(x, counts))])
 
 
+GROUPED_MM = register(Route("grouped_mm", (
+    KernelBackend("grouped_mm", lambda: _GROUPED_MM, "torch's grouped_mm, one GEMM over all experts (BF16)",
+                  declines=(needs_cuda,)),
+    KernelBackend("loop", lambda: None, "a loop of per-expert GEMMs"),
+), summary="model-dtype routed-expert GEMMs (forward, and the FP8 experts' backward)"))
+"""``grouped_mm``: whether grouped experts may run ``grouped_mm`` (each call still needs a CUDA
+BF16 input with 16-byte aligned rows, ``GroupedExperts._kernel``) or loop over the experts."""
+
+
 def _grouped_triton() -> ModuleType:
     from kpool_layers.kernels import fp8_grouped_gemm_triton
 

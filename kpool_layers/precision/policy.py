@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
+from kpool_layers.kernel_routes import KernelBackend, Machine, Route, needs_cuda, needs_package, register
 
 from kpool_layers.precision import fp8
 from kpool_layers.precision import fp8_format
@@ -197,25 +197,40 @@ def _cuda_fp8_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _needs_fp8_gpu(machine: Machine) -> Optional[str]:
+    """Declines without a CUDA GPU of compute capability >= 8.9 (FP8 tensor cores)."""
+    return None if _cuda_fp8_available() else "no CUDA GPU of compute capability >= 8.9"
+
+
+FP8_GEMM = register(Route("fp8_gemm", (
+    KernelBackend("torch", lambda: _scaled_mm, "torch._scaled_mm / F.scaled_mm FP8 GEMM, FP32 accumulation",
+                  declines=(_needs_fp8_gpu,)),
+    KernelBackend("emulate", lambda: None, "FP32 GEMM of the dequantized operands"),
+), summary="FP8 GEMMs of the quantized roles", config_key="precision.backend"))
+"""``fp8_gemm``: the ``precision.backend`` values other than ``auto``, most preferred first."""
+
+
 def available_backends() -> list[Backend]:
-    """Concrete backends usable in this process, most preferred first."""
-    return [Backend.torch, Backend.emulate] if _cuda_fp8_available() else [Backend.emulate]
+    """Concrete backends usable in this process, most preferred first (:data:`FP8_GEMM`'s table
+    without the backends that decline here)."""
+    machine = Machine.here()
+    return [Backend(b.name) for b in FP8_GEMM.backends if b.decline(machine) is None]
 
 
 def resolve_backend(policy: PrecisionPolicy) -> str:
     """The backend ``policy``'s FP8 GEMMs run on: ``none`` without FP8, ``auto`` -> the first of
-    :func:`available_backends`; a concrete backend must be available."""
+    :func:`available_backends`; a concrete backend must be available. Recorded in :data:`FP8_GEMM`."""
     if not policy.fp8:
         return "none"
     available = available_backends()
     if policy.backend == Backend.auto:
-        return available[0].value
+        return FP8_GEMM.resolve().backend
     if policy.backend not in available:
         raise ValueError(
             f"precision.backend={policy.backend.value!r} is not available here; "
             f"available: {[b.value for b in available]}"
         )
-    return policy.backend.value
+    return FP8_GEMM.resolve(policy.backend.value).backend
 
 
 # ---------------------------------------------------------------------------------------------
