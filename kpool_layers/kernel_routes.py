@@ -202,9 +202,13 @@ class Route:
 
     def take(self, name: str) -> Resolution:
         """Record ``name`` as this route's choice, made and checked by the owner (a config rule
-        that also checks shapes and determinism) rather than by :meth:`resolve`; loads its callable."""
+        that also checks shapes and determinism) rather than by :meth:`resolve`; loads its callable.
+        Where :attr:`latest` already chose ``name`` (an ``auto`` the owner resolved through
+        :meth:`resolve`), its declined reasons are kept."""
         chosen = self.backend(name)
-        self.latest = Resolution(self.key, name, chosen.load(), {}, True, self.config_key)
+        before = self.latest if self.latest is not None and self.latest.backend == name else None
+        declined, forced = (before.declined, before.forced) if before is not None else ({}, True)
+        self.latest = Resolution(self.key, name, chosen.load(), declined, forced, self.config_key)
         return self.latest
 
     def default(self) -> Resolution:

@@ -91,8 +91,11 @@ def test_dsa_auto_and_the_planned_machine() -> None:
     assert dsa_kernels.resolve("torch") == "torch"
     with pytest.raises(KernelUnavailable, match=r"dsa_kernels='cudnn'; allowed: \['auto', 'torch', 'tilelang', 'triton'\]"):
         dsa_kernels.resolve("cudnn")
-    taken = dsa_kernels.DSA.take("torch")
-    assert taken.forced and taken.kernel(16).keywords == {"chunk_size": 16}
+    taken = dsa_kernels.DSA.take("torch")  # the layer spec records the resolved auto
+    assert not taken.forced and taken.declined["triton"] == "compute capability (8, 9) < (9, 0)"
+    assert taken.kernel(16).keywords == {"chunk_size": 16}
+    taken = dsa_kernels.DSA.take("tilelang")  # asked for: checked by check_backend, not here
+    assert taken.forced and taken.declined == {} and callable(taken.kernel)
 
 
 def test_loss_route_is_the_fusion_decision() -> None:

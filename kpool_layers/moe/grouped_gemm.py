@@ -36,7 +36,7 @@ from kpool_layers.compat.device_copy import to_device
 from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
 from kpool_layers.precision import fp8_format
 from kpool_layers.precision.fp8_format import Recipe
-from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role, dequantizer, quantizer
+from kpool_layers.precision.policy import FP8_DEQUANT, FP8_QUANT, LinearNumerics, PrecisionPolicy, Role
 from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
 
 _GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
@@ -108,7 +108,9 @@ the per-expert loop of :func:`expert_linear`."""
 
 
 class _GroupedQuantizedLinear(torch.autograd.Function):
-    """:func:`grouped_linear` of e4m3-quantized operands on CUDA (module docstring); backward
+    """:func:`grouped_linear` of e4m3-quantized operands on CUDA (module docstring), the
+    ``triton`` backends of :data:`GROUPED_FP8`, ``FP8_QUANT`` and ``FP8_DEQUANT`` (:func:`fused_fp8`
+    chose them); backward
     straight-through as :class:`kpool_layers.precision.policy._QuantizedMatmul`: ``dx_e = dy_e @ Q(w_e)``,
     ``dw_e = dy_e.T @ Q(x_e)`` in ``x``'s dtype from the saved e4m3 operands and scales; the stacked
     weight's forms are kept across a step's micro-batches as there
@@ -117,12 +119,12 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, tokens_per_expert, recipe, scale_format, kernel):  # noqa: ANN001, ANN205
         e, n, k = w.shape
-        quantize = quantizer("torch", x)
+        quantize = FP8_QUANT.backend("triton").load().quantize
         xq, xs = quantize(x, recipe, "activation", scale_format)
         qw = quantized_weight(w, recipe, scale_format,
                               lambda: quantize(w.reshape(e * n, k), recipe, "weight", scale_format))
         wq, ws = qw.q, qw.scale
-        y = GROUPED_FP8.default().kernel.grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
+        y = GROUPED_FP8.backend("triton").load().grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
                                                  tokens_per_expert)
         ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
         ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
@@ -133,7 +135,7 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
         xq, xs, wq, ws = ctx.saved_tensors
-        dequantize = dequantizer("torch", xq)
+        dequantize = FP8_DEQUANT.backend("triton").load().dequantize
         g = grad_out.to(ctx.x_dtype).contiguous()
         counts, e = ctx.tokens_per_expert, len(ctx.tokens_per_expert)
         grad_x = grad_w = None
