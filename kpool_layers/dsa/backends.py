@@ -15,8 +15,8 @@ backend       sparse MLA (``core_attention``)                            indexer
 
 ``auto`` is ``triton`` on CUDA devices of compute capability >= 9.0 and ``torch`` elsewhere: the
 kernel route :data:`DSA` (:mod:`kpool_layers.kernel_routes`) holds the table, tried in the order
-triton, torch (``tilelang`` only when asked for). :func:`check_backend` says, before the build, whether a backend can run here for a model's shapes
-(raising :class:`KernelUnavailable` naming the reason and the fix), and :data:`MANIFEST` what each
+triton, torch (``tilelang`` only when asked for). :func:`check_backend` says, before the build,
+whether a backend can run here for a model's shapes (raising :class:`KernelUnavailable` naming the reason and the fix), and :data:`MANIFEST` what each
 backend guarantees (docs/kernels.md is the long form).
 """
 
@@ -32,7 +32,8 @@ import torch
 from torch import Tensor
 
 from kpool_layers.dsa.topk import chunked_range_topk
-from kpool_layers.kernel_routes import KernelBackend, KernelUnavailable, Machine, Route, needs_capability, needs_cuda, register
+from kpool_layers.kernel_routes import (KernelBackend, KernelUnavailable, Machine, Route, needs_capability, needs_cuda,
+                                        register)
 
 
 class Backend(str, Enum):
