@@ -157,7 +157,8 @@ class Route:
     _default: Optional[Resolution] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.backends or self.backends[-1].declines:
+        last = self.backends[-1] if self.backends else None
+        if last is None or last.declines or last.auto_declines or not last.automatic:
             raise ValueError(f"route {self.key!r}: the last backend is the fallback and must not decline")
 
     @property
