@@ -165,9 +165,9 @@ def test_route_tables_are_checked() -> None:
 
 def test_the_map_lists_every_key() -> None:
     rows = {r["role"]: r for r in route_rows()}
-    assert set(rows) == {f"kernel.route.{key}" for key in KEYS}
+    assert set(rows) == {f"route.{key}" for key in KEYS}
     for key in KEYS:
-        row = rows[f"kernel.route.{key}"]
+        row = rows[f"route.{key}"]
         assert row["backend"] in row["allowed"] == kernel_routes.ROUTES[key].names
         assert row["note"] and set(row["declined"]) <= set(row["allowed"])
     lines = format_rows(list(rows.values()))

@@ -12,8 +12,8 @@ per expert: both operands e4m3 under ``precision.recipe``, straight-through back
 dtype from the dequantized operands):
 
 * ``torch`` backend on CUDA, ``blockwise`` or ``rowwise``, where the kernel route
-  :data:`GROUPED_FP8` resolved to ``triton`` (:mod:`kpool_layers.kernel_routes`): the rows of all experts are quantized
-  at once and the stacked weight at once (one fused Triton kernel each,
+  :data:`GROUPED_FP8` resolved to ``triton`` (:mod:`kpool_layers.kernel_routes`): the rows of all
+  experts are quantized at once and the stacked weight at once (one fused Triton kernel each,
   :mod:`kpool_layers.kernels.fp8_quant_triton`), then one FP8 grouped GEMM
   (:mod:`kpool_layers.kernels.fp8_grouped_gemm_triton`). Both recipes scale activations per row
   (1x128 tiles along K, or the whole row), so this equals quantizing each expert's rows; blockwise

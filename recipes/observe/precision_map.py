@@ -134,7 +134,7 @@ def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
 
 def route_rows() -> list[dict[str, Any]]:
     """One row per kernel route (:mod:`kpool_layers.kernel_routes`, every key), role
-    ``kernel.route.<key>``: ``backend`` = the chosen backend, ``note`` = why each preferred backend
+    ``route.<key>``: ``backend`` = the chosen backend, ``note`` = why each preferred backend
     declined (or that the config asked for it), plus ``allowed`` (the table, in order) and
     ``declined`` (backend -> reason)."""
     rows = []
@@ -144,7 +144,7 @@ def route_rows() -> list[dict[str, Any]]:
     for r in kernel_routes.resolutions():
         reasons = "; ".join(f"{name}: {why}" for name, why in r["declined"].items())
         note = f"asked for by {r['config_key']}" if r["forced"] else f"declined {reasons}" if reasons else "first choice"
-        rows.append({"module": f"kernel_routes.{r['key']}", "role": f"kernel.route.{r['key']}", "quantized": False,
+        rows.append({"module": f"kernel_routes.{r['key']}", "role": f"route.{r['key']}", "quantized": False,
                      "dtype": "any", "backend": r["backend"], "note": note, "allowed": r["allowed"],
                      "declined": r["declined"]})
     return rows
@@ -165,7 +165,7 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
         groups[key] = groups.get(key, 0) + 1
     lines = []
     for (role, quantized, dtype, backend, note), n in groups.items():
-        kind = (f"kernel {backend}" if str(role).startswith("kernel.")
+        kind = (f"kernel {backend}" if str(role).startswith(("kernel.", "route."))
                 else f"FP8 ({backend})" if quantized else "unquantized")
         lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
     return lines
