@@ -172,3 +172,25 @@ def test_the_map_lists_every_key() -> None:
         assert row["note"] and set(row["declined"]) <= set(row["allowed"])
     lines = format_rows(list(rows.values()))
     assert len(lines) == len(KEYS) and all(" kernel " in line for line in lines)
+
+
+@pytest.mark.gpu
+def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
+    """On a CUDA GPU of compute capability >= 9.0 with triton (and without apex) every key resolves
+    to the kernel it chose before the routes existed: the first backend of each table, except
+    tilelang (only when asked for) and apex (not installed)."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs compute capability >= 9.0")
+    expected = {"dsa": "triton", "fp8_gemm": "torch", "fp8_quant": "triton", "fp8_dequant": "triton",
+                "serving_quant": "triton", "hadamard": "triton", "grouped_gemm": "triton",
+                "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool"}
+    for key, backend in expected.items():
+        got = kernel_routes.ROUTES[key].resolve()
+        assert got.backend == backend, (key, got.declined)
+    assert dsa_kernels.resolve("auto") == "triton"
+    x = torch.randn(4, 128, device="cuda", dtype=torch.bfloat16)
+    from kpool_layers.kernels import fp8_dequant_triton, fp8_quant_triton
+
+    assert quantizer("torch", x) is fp8_quant_triton.quantize and quantizer("emulate", x) is fp8.quantize
+    assert dequantizer("torch", x) is fp8_dequant_triton.dequantize
+    assert torch.equal(hadamard_transform(x, 128**-0.5), hadamard_butterfly(x, 128**-0.5))
