@@ -4,6 +4,8 @@ values, the hot paths resolve once, and the precision map lists every key."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -178,12 +180,14 @@ def test_the_map_lists_every_key() -> None:
 def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
     """On a CUDA GPU of compute capability >= 9.0 with triton (and without apex) every key resolves
     to the kernel it chose before the routes existed: the first backend of each table, except
-    tilelang (only when asked for) and apex (not installed)."""
+    tilelang (only when asked for) and apex where its extension is not installed."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs compute capability >= 9.0")
     expected = {"dsa": "triton", "fp8_gemm": "torch", "fp8_quant": "triton", "fp8_dequant": "triton",
                 "serving_quant": "triton", "hadamard": "triton", "grouped_gemm": "triton",
                 "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool"}
+    if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
+        expected["wgrad"] = "apex"
     for key, backend in expected.items():
         got = kernel_routes.ROUTES[key].resolve()
         assert got.backend == backend, (key, got.declined)
