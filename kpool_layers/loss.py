@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.models.gpt import GPTModel
 
+from kpool_layers.kernel_routes import KernelBackend, Machine, Route, needs_cuda, register
 from kpool_layers.kernels import cross_entropy_triton
 
 
@@ -87,3 +88,18 @@ class FusedLossGPTModel(GPTModel):
         """``labels [b, s]``, ``logits [s, b, V / TP]`` -> loss ``[b, s]`` FP32."""
         loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.pg_collection.tp)
         return loss.transpose(0, 1).contiguous()
+
+
+LOSS = register(Route("loss", (
+    KernelBackend("triton", lambda: FusedLossGPTModel, "two Triton kernels over the vocab-parallel logits",
+                  declines=(needs_cuda,)),
+    KernelBackend("megatron", lambda: GPTModel, "megatron-core's unfused vocab-parallel cross entropy"),
+), summary="language-model loss (the GPTModel class that computes it)", config_key="train.cross_entropy_fusion"))
+"""``loss``: each backend's ``load`` gives the model class whose loss it computes;
+``train.cross_entropy_fusion=false`` asks for ``megatron``."""
+
+
+def loss_backend(fusion: bool, on_gpu: bool) -> str:
+    """The :data:`LOSS` backend for ``train.cross_entropy_fusion`` = ``fusion`` on a machine with
+    (``on_gpu``) or without a GPU: ``triton`` exactly when both, recorded in the route."""
+    return LOSS.resolve(None if fusion else "megatron", Machine(cuda=on_gpu)).backend

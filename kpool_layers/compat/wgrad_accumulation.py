@@ -11,7 +11,8 @@ compute ``main_grad += grad_output^T @ input`` in one GEMM (fp32 accumulation, b
 hands DDP a placeholder gradient; megatron refuses the flag when that apex extension is missing.
 
 :func:`install` gives megatron this module's two functions under apex's name, where apex is not
-installed (process-wide, idempotent), so the flag works with or without apex:
+installed (process-wide, idempotent; the kernel route :data:`WGRAD`: ``apex`` where megatron found
+its extension, else ``kpool``), so the flag works with or without apex:
 
 * :func:`wgrad_gemm_accum_fp32` - ``main_grad`` fp32 (:func:`~kpool_layers.kernels.accumulate.accumulate_matmul`):
   one cuBLAS ``addmm`` with fp32 output from bf16/fp16 operands on CUDA (the product is never
@@ -32,10 +33,12 @@ megatron's ``prepare_input_tensors_for_wgrad_compute`` makes them), ``main_grad
 from __future__ import annotations
 
 import types
+from typing import Optional
 
 import megatron.core.tensor_parallel.layers as megatron_layers
 import torch
 
+from kpool_layers.kernel_routes import KernelBackend, Machine, Route, register
 from kpool_layers.kernels.accumulate import accumulate_matmul
 
 
@@ -56,10 +59,27 @@ FUSED_WGRAD = types.SimpleNamespace(wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32,
 """This module's stand-in for apex's ``fused_weight_gradient_mlp_cuda`` extension."""
 
 
+def _needs_apex(machine: Machine) -> Optional[str]:
+    """Declines unless megatron imported apex's extension (not this module's stand-in)."""
+    found = getattr(megatron_layers, "fused_weight_gradient_mlp_cuda", None)
+    if megatron_layers._grad_accum_fusion_available and found not in (None, FUSED_WGRAD):
+        return None
+    return "apex's fused_weight_gradient_mlp_cuda extension not installed"
+
+
+WGRAD = register(Route("wgrad", (
+    KernelBackend("apex", lambda: megatron_layers.fused_weight_gradient_mlp_cuda,
+                  "apex's fused_weight_gradient_mlp_cuda", declines=(_needs_apex,)),
+    KernelBackend("kpool", lambda: FUSED_WGRAD, "this module's addmm into main_grad (accumulate_matmul)"),
+), summary="megatron's gradient-accumulation fusion (main_grad += dy^T x)"))
+"""``wgrad``: the extension megatron's linears call; resolved at every :func:`install` (apex may
+appear in between, as it does in tests)."""
+
+
 def install() -> None:
     """Give megatron's linears :data:`FUSED_WGRAD` where apex's extension is missing (idempotent;
     apex's is kept where installed)."""
-    if not megatron_layers._grad_accum_fusion_available:
+    if WGRAD.resolve().backend == "kpool":
         megatron_layers.fused_weight_gradient_mlp_cuda = FUSED_WGRAD
         megatron_layers._grad_accum_fusion_available = True
 

@@ -13,9 +13,10 @@ backend       sparse MLA (``core_attention``)                            indexer
 ``triton``    ours (:mod:`kpool_layers.kernels.sparse_mla_triton`)       ours (``indexer_topk_triton``)
 ============  =========================================================  ==========================
 
-``auto`` is ``triton`` on CUDA devices of compute capability >= 9.0 and ``torch`` elsewhere.
-:func:`check_backend` says, before the build, whether a backend can run here for a model's shapes
-(raising :class:`KernelUnavailable` naming the reason and the fix), and :data:`MANIFEST` what each
+``auto`` is ``triton`` on CUDA devices of compute capability >= 9.0 and ``torch`` elsewhere: the
+kernel route :data:`DSA` (:mod:`kpool_layers.kernel_routes`) holds the table, tried in the order
+triton, torch (``tilelang`` only when asked for). :func:`check_backend` says, before the build,
+whether a backend can run here for a model's shapes (raising :class:`KernelUnavailable` naming the reason and the fix), and :data:`MANIFEST` what each
 backend guarantees (docs/kernels.md is the long form).
 """
 
@@ -31,6 +32,8 @@ import torch
 from torch import Tensor
 
 from kpool_layers.dsa.topk import chunked_range_topk
+from kpool_layers.kernel_routes import (KernelBackend, KernelUnavailable, Machine, Route, needs_capability, needs_cuda,
+                                        register)
 
 
 class Backend(str, Enum):
@@ -46,10 +49,6 @@ BACKENDS = tuple(b.value for b in Backend)
 """The same values as strings."""
 
 TILELANG_EXTRA = "pip install -e '.[tilelang]'"
-
-
-class KernelUnavailable(ValueError):
-    """A ``dsa_kernels`` backend that cannot run here or for these shapes; the message has the fix."""
 
 
 @dataclass(frozen=True)
@@ -98,17 +97,20 @@ def _cuda_capability() -> Optional[tuple[int, int]]:
 def resolve(requested: str, capability: Optional[tuple[int, int]] = None, *,
             on_device: Optional[bool] = None) -> str:
     """The backend ``requested`` stands for: ``auto`` -> ``triton`` on CUDA compute capability
-    >= 9.0, else ``torch``; any other value unchanged. ``capability`` defaults to this machine's
-    (None without CUDA); ``on_device=False`` (a dry run planning for GPUs from a CPU box) resolves
-    ``auto`` for a Hopper GPU."""
+    >= 9.0, else ``torch`` (:data:`DSA`'s automatic resolution, recorded there); any other value
+    unchanged. ``capability`` defaults to this machine's (None without CUDA); ``on_device=False``
+    (a dry run planning for GPUs from a CPU box) resolves ``auto`` for a Hopper GPU."""
     if requested not in BACKENDS:
         raise KernelUnavailable(f"dsa_kernels={requested!r}; allowed: {list(BACKENDS)}")
     if requested != "auto":
         return requested
     if on_device is False:
-        return "triton"
-    capability = capability if capability is not None else _cuda_capability()
-    return "triton" if capability is not None and capability >= (9, 0) else "torch"
+        machine = Machine.planned_gpu()
+    elif capability is not None:
+        machine = Machine(cuda=True, capability=capability)
+    else:
+        machine = Machine.here()
+    return DSA.resolve(machine=machine).backend
 
 
 def _tilelang_shapes_error(shapes: KernelShapes) -> Optional[str]:
@@ -172,18 +174,39 @@ RangeTopK = Callable[..., Tensor]
 empty slots)."""
 
 
+def _torch_topk(chunk_size: int) -> RangeTopK:
+    return partial(chunked_range_topk, chunk_size=chunk_size)
+
+
+def _tilelang_topk(chunk_size: int) -> RangeTopK:
+    from kpool_layers.kernels.tilelang_dsa import range_topk_tilelang
+
+    return partial(range_topk_tilelang, chunk_size=chunk_size)
+
+
+def _triton_topk(chunk_size: int) -> RangeTopK:
+    from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
+
+    return range_topk_triton
+
+
+DSA = register(Route("dsa", (
+    KernelBackend("triton", lambda: _triton_topk, "our Triton sparse MLA + indexer top-k (deterministic)",
+                  declines=(needs_cuda,), auto_declines=(needs_capability(9, 0),)),
+    KernelBackend("tilelang", lambda: _tilelang_topk, "megatron-core's TileLang SparseMLA + indexer top-k",
+                  declines=(needs_cuda,), automatic=False),
+    KernelBackend("torch", lambda: _torch_topk, "chunked PyTorch sparse MLA + indexer top-k"),
+), summary="DSA sparse MLA core attention and indexer scores + top-k", config_key="model.dsa_kernels"))
+"""The ``dsa_kernels`` route: each backend's ``load`` gives its top-k factory ``(chunk_size) ->
+RangeTopK``; its core attention class is ``kpool_layers.dsa.core_attention.CORE_ATTENTION[name]``.
+The full checks of a choice (package, capability, shapes, determinism) are :func:`check_backend`'s,
+run by the config rules before the build."""
+
+
 def range_topk_kernel(backend: str, chunk_size: int) -> RangeTopK:
     """The indexer's scores + top-k for resolved ``backend``; ``chunk_size`` queries at a time where
     the backend works in query chunks (torch, tilelang)."""
-    if backend == "torch":
-        return partial(chunked_range_topk, chunk_size=chunk_size)
-    if backend == "tilelang":
-        from kpool_layers.kernels.tilelang_dsa import range_topk_tilelang
-
-        return partial(range_topk_tilelang, chunk_size=chunk_size)
-    if backend == "triton":
-        from kpool_layers.kernels.indexer_topk_triton import range_topk_triton
-
-        return range_topk_triton
-    raise KernelUnavailable(f"dsa_kernels={backend!r}; allowed here: torch, tilelang, triton "
-                            "(resolve 'auto' first)")
+    if backend not in DSA.names:
+        raise KernelUnavailable(f"dsa_kernels={backend!r}; allowed here: torch, tilelang, triton "
+                                "(resolve 'auto' first)")
+    return DSA.backend(backend).load()(chunk_size)

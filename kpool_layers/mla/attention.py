@@ -82,7 +82,7 @@ from megatron.core.utils import get_pg_size
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.dsa.context_parallel import cp_size, gather_sequence, query_positions
 from kpool_layers.dsa.core_attention import CORE_ATTENTION
-from kpool_layers.dsa.backends import range_topk_kernel
+from kpool_layers.dsa.backends import DSA
 from kpool_layers.dsa.replay import TopKReplay
 from kpool_layers.dsa.indexer import DSAIndexer, dsa_indexer_submodules
 from kpool_layers.dsa.indexer_loss import indexer_kl_loss
@@ -518,8 +518,8 @@ def glm_attention_spec(config: GLMTransformerConfig,
             linear_proj=role_spec(RoleRowParallelLinear, Role.MLA_OUT),
             q_layernorm=SPNorm,
             kv_layernorm=SPNorm,
-            indexer=ModuleSpec(module=DSAIndexer, params={"range_topk": range_topk_kernel(
-                backend, config.dsa_indexer_query_chunk_size)}, submodules=dsa_indexer_submodules()),
+            indexer=ModuleSpec(module=DSAIndexer, params={"range_topk": DSA.take(backend).kernel(
+                config.dsa_indexer_query_chunk_size)}, submodules=dsa_indexer_submodules()),
             core_attention=CORE_ATTENTION[backend],
         ),
     )

@@ -48,7 +48,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from kpool_layers.compat.device_copy import to_device
-from kpool_layers.moe.grouped_gemm import FP8_RECIPES, expert_linear, fused_fp8, supports_policy
+from kpool_layers.moe.grouped_gemm import FP8_RECIPES, GROUPED_MM, expert_linear, fused_fp8, supports_policy
 from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
 
 _FC = ("linear_fc1", "linear_fc2")
@@ -120,8 +120,9 @@ class GroupedExperts(MegatronModule):
                         init(shard)
 
     def _kernel(self, x: torch.Tensor) -> bool:
-        """Whether ``grouped_mm`` runs (CUDA, BF16, 16-byte aligned rows) rather than the loop."""
-        return x.is_cuda and x.dtype == torch.bfloat16 and self.config.hidden_size % 8 == 0 and self.ffn_per_partition % 8 == 0
+        """Whether ``grouped_mm`` runs (:data:`GROUPED_MM` resolved to it; CUDA, BF16, 16-byte
+        aligned rows) rather than the loop."""
+        return GROUPED_MM.default().backend == "grouped_mm" and x.is_cuda and x.dtype == torch.bfloat16 and self.config.hidden_size % 8 == 0 and self.ffn_per_partition % 8 == 0
 
     def _counts(self, x: torch.Tensor, tokens_per_expert: torch.Tensor, kernel: bool) -> torch.Tensor:
         """``tokens_per_expert`` where both GEMMs read it: int32 (the grouped kernels' offsets

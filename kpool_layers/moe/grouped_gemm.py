@@ -11,8 +11,9 @@ role-tagged per-expert linears of ``SequentialMLP`` compute (:func:`kpool_layers
 per expert: both operands e4m3 under ``precision.recipe``, straight-through backward in the input
 dtype from the dequantized operands):
 
-* ``torch`` backend on CUDA, ``blockwise`` or ``rowwise``: the rows of all experts are quantized
-  at once and the stacked weight at once (one fused Triton kernel each,
+* ``torch`` backend on CUDA, ``blockwise`` or ``rowwise``, where the kernel route
+  :data:`GROUPED_FP8` resolved to ``triton`` (:mod:`kpool_layers.kernel_routes`): the rows of all
+  experts are quantized at once and the stacked weight at once (one fused Triton kernel each,
   :mod:`kpool_layers.kernels.fp8_quant_triton`), then one FP8 grouped GEMM
   (:mod:`kpool_layers.kernels.fp8_grouped_gemm_triton`). Both recipes scale activations per row
   (1x128 tiles along K, or the whole row), so this equals quantizing each expert's rows; blockwise
@@ -26,14 +27,16 @@ dtype from the dequantized operands):
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Callable
 
 import torch
 
-from kpool_layers.precision import fp8_format
 from kpool_layers.compat.device_copy import to_device
+from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
+from kpool_layers.precision import fp8_format
 from kpool_layers.precision.fp8_format import Recipe
-from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, Role
+from kpool_layers.precision.policy import FP8_DEQUANT, FP8_QUANT, LinearNumerics, PrecisionPolicy, Role
 from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
 
 _GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
@@ -80,8 +83,34 @@ def grouped_wgrad(g: torch.Tensor, x: torch.Tensor, tokens_per_expert: torch.Ten
     return torch.stack([g_e.t() @ x_e for g_e, x_e in zip(torch.split(g, counts), torch.split(x, counts))])
 
 
+GROUPED_MM = register(Route("grouped_mm", (
+    KernelBackend("grouped_mm", lambda: _GROUPED_MM, "torch's grouped_mm, one GEMM over all experts (BF16)",
+                  declines=(needs_cuda,)),
+    KernelBackend("loop", lambda: None, "a loop of per-expert GEMMs"),
+), summary="model-dtype routed-expert GEMMs (forward, and the FP8 experts' backward)"))
+"""``grouped_mm``: whether grouped experts may run ``grouped_mm`` (each call still needs a CUDA
+BF16 input with 16-byte aligned rows, ``GroupedExperts._kernel``) or loop over the experts."""
+
+
+def _grouped_triton() -> ModuleType:
+    from kpool_layers.kernels import fp8_grouped_gemm_triton
+
+    return fp8_grouped_gemm_triton
+
+
+GROUPED_FP8 = register(Route("grouped_gemm", (
+    KernelBackend("triton", _grouped_triton, "one FP8 grouped GEMM over all experts (Triton)",
+                  declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("loop", lambda: None, "a loop of the per-expert role GEMM (SequentialMLP's computation)"),
+), summary="FP8 routed-expert GEMMs (blockwise / rowwise, precision.backend=torch)"))
+"""``grouped_gemm``: the Triton FP8 grouped-GEMM module (``grouped_gemm`` looked up per call) or
+the per-expert loop of :func:`expert_linear`."""
+
+
 class _GroupedQuantizedLinear(torch.autograd.Function):
-    """:func:`grouped_linear` of e4m3-quantized operands on CUDA (module docstring); backward
+    """:func:`grouped_linear` of e4m3-quantized operands on CUDA (module docstring), the
+    ``triton`` backends of :data:`GROUPED_FP8`, ``FP8_QUANT`` and ``FP8_DEQUANT`` (:func:`fused_fp8`
+    chose them); backward
     straight-through as :class:`kpool_layers.precision.policy._QuantizedMatmul`: ``dx_e = dy_e @ Q(w_e)``,
     ``dw_e = dy_e.T @ Q(x_e)`` in ``x``'s dtype from the saved e4m3 operands and scales; the stacked
     weight's forms are kept across a step's micro-batches as there
@@ -89,14 +118,13 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, tokens_per_expert, recipe, scale_format, kernel):  # noqa: ANN001, ANN205
-        from kpool_layers.kernels import fp8_grouped_gemm_triton, fp8_quant_triton
-
         e, n, k = w.shape
-        xq, xs = fp8_quant_triton.quantize(x, recipe, "activation", scale_format)
+        quantize = FP8_QUANT.backend("triton").load().quantize
+        xq, xs = quantize(x, recipe, "activation", scale_format)
         qw = quantized_weight(w, recipe, scale_format,
-                              lambda: fp8_quant_triton.quantize(w.reshape(e * n, k), recipe, "weight", scale_format))
+                              lambda: quantize(w.reshape(e * n, k), recipe, "weight", scale_format))
         wq, ws = qw.q, qw.scale
-        y = fp8_grouped_gemm_triton.grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
+        y = GROUPED_FP8.backend("triton").load().grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
                                                  tokens_per_expert)
         ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
         ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
@@ -106,18 +134,17 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
-        from kpool_layers.kernels import fp8_dequant_triton
-
         xq, xs, wq, ws = ctx.saved_tensors
+        dequantize = FP8_DEQUANT.backend("triton").load().dequantize
         g = grad_out.to(ctx.x_dtype).contiguous()
         counts, e = ctx.tokens_per_expert, len(ctx.tokens_per_expert)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype, lambda: fp8_dequant_triton.dequantize(
+            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype, lambda: dequantize(
                 wq, ws, ctx.recipe, "weight", ctx.x_dtype))
             grad_x = grouped_linear(g, w_deq.view(e, -1, wq.shape[-1]).transpose(1, 2), counts, ctx.kernel)
         if ctx.needs_input_grad[1]:
-            x_deq = fp8_dequant_triton.dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
+            x_deq = dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
             grad_w = grouped_wgrad(g, x_deq, counts, ctx.kernel).to(ctx.w_dtype)
         return grad_x, grad_w, None, None, None, None
 
@@ -126,7 +153,7 @@ def fused_fp8(numerics: LinearNumerics, x: torch.Tensor, w: torch.Tensor) -> boo
     """Whether :func:`expert_linear` runs the FP8 grouped GEMM for ``x [T, K]``, ``w [E, N, K]``
     (module docstring) rather than the per-expert loop."""
     return (numerics.quantized and numerics.backend == "torch" and x.is_cuda
-            and numerics.policy.recipe in FP8_RECIPES
+            and GROUPED_FP8.default().backend == "triton" and numerics.policy.recipe in FP8_RECIPES
             and (numerics.policy.recipe != Recipe.blockwise or w.shape[1] % fp8_format.BLOCK == 0))
 
 

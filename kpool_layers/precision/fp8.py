@@ -56,14 +56,18 @@ Numerics, step by step, with sources
    (exactly so per product when the scales are powers of two).
 
    On CUDA tensors that need no gradient (fp32 / bf16 / fp16) the whole path is one Triton kernel
-   (:mod:`kpool_layers.kernels.serving_quant_triton`, the same bits) instead of about 18 aten ops
-   and the Hadamard kernel; elsewhere the torch code of :func:`serving_index_quant` runs, which is
+   (:mod:`kpool_layers.kernels.serving_quant_triton`, the same bits; the kernel route
+   :data:`SERVING_QUANT`) instead of about 18 aten ops and the Hadamard kernel; elsewhere the torch code of :func:`serving_index_quant` runs, which is
    the reference the kernel is tested against (``tests/test_serving_quant_triton.py``).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
+
+from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
 
 from kpool_layers.precision.fp8_format import (AMAX_EPS, BLOCK, E4M3_MAX, SCALE_FORMATS, Operand, Recipe,
                                                 ScaleFormat, tile_shape)
@@ -154,6 +158,21 @@ def quantize_vectors(
     return cast_e4m3(groups, scale[..., None]).flatten(-2), scale
 
 
+def _serving_triton() -> ModuleType:
+    from kpool_layers.kernels import serving_quant_triton
+
+    return serving_quant_triton
+
+
+SERVING_QUANT = register(Route("serving_quant", (
+    KernelBackend("triton", _serving_triton, "one Triton kernel: BF16, Hadamard, e4m3 per vector (no gradient)",
+                  declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: None, "the torch code of serving_index_quant (about 18 aten ops)"),
+), summary="serving KPool index q/k quantization (Hadamard + e4m3 per 128 channels)"))
+"""``serving_quant``: the Triton kernel module (``supports`` / ``serving_index_quant_triton``
+looked up per call, for CUDA tensors without a gradient) or the torch code below."""
+
+
 def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") -> torch.Tensor:
     """The serving engines' index q/k path for ``x [..., d]`` (pooled keys, or index-query heads):
     BF16 -> Hadamard (FP32, scale d**-0.5) -> BF16 -> e4m3 with one scale per d-vector.
@@ -169,11 +188,9 @@ def serving_index_quant(x: torch.Tensor, scale_format: ScaleFormat = "ue8m0") ->
             f"serving_index_quant needs a power-of-two channel count <= {BLOCK} "
             f"({BLOCK} on served models), got {d}"
         )
-    if x.is_cuda and not x.requires_grad:
-        from kpool_layers.kernels import serving_quant_triton
-
-        if serving_quant_triton.supports(x):
-            return serving_quant_triton.serving_index_quant_triton(x, scale_format)
+    route = SERVING_QUANT.default()
+    if route.backend == "triton" and x.is_cuda and not x.requires_grad and route.kernel.supports(x):
+        return route.kernel.serving_index_quant_triton(x, scale_format)
     v = x.to(torch.bfloat16).float()
     v = hadamard_transform(v, d**-0.5).to(torch.bfloat16)
     scale = compute_scale(v.float().abs().amax(dim=-1, keepdim=True), scale_format)

@@ -22,9 +22,12 @@ import dataclasses
 import enum
 import functools
 import typing
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 import torch
+
+from kpool_layers.kernel_routes import KernelBackend, Machine, Route, needs_cuda, needs_package, register
 
 from kpool_layers.precision import fp8
 from kpool_layers.precision import fp8_format
@@ -194,25 +197,40 @@ def _cuda_fp8_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _needs_fp8_gpu(machine: Machine) -> Optional[str]:
+    """Declines without a CUDA GPU of compute capability >= 8.9 (FP8 tensor cores)."""
+    return None if _cuda_fp8_available() else "no CUDA GPU of compute capability >= 8.9"
+
+
+FP8_GEMM = register(Route("fp8_gemm", (
+    KernelBackend("torch", lambda: _scaled_mm, "torch._scaled_mm / F.scaled_mm FP8 GEMM, FP32 accumulation",
+                  declines=(_needs_fp8_gpu,)),
+    KernelBackend("emulate", lambda: None, "FP32 GEMM of the dequantized operands"),
+), summary="FP8 GEMMs of the quantized roles", config_key="precision.backend"))
+"""``fp8_gemm``: the ``precision.backend`` values other than ``auto``, most preferred first."""
+
+
 def available_backends() -> list[Backend]:
-    """Concrete backends usable in this process, most preferred first."""
-    return [Backend.torch, Backend.emulate] if _cuda_fp8_available() else [Backend.emulate]
+    """Concrete backends usable in this process, most preferred first (:data:`FP8_GEMM`'s table
+    without the backends that decline here)."""
+    machine = Machine.here()
+    return [Backend(b.name) for b in FP8_GEMM.backends if b.decline(machine) is None]
 
 
 def resolve_backend(policy: PrecisionPolicy) -> str:
     """The backend ``policy``'s FP8 GEMMs run on: ``none`` without FP8, ``auto`` -> the first of
-    :func:`available_backends`; a concrete backend must be available."""
+    :func:`available_backends`; a concrete backend must be available. Recorded in :data:`FP8_GEMM`."""
     if not policy.fp8:
         return "none"
     available = available_backends()
     if policy.backend == Backend.auto:
-        return available[0].value
+        return FP8_GEMM.resolve().backend
     if policy.backend not in available:
         raise ValueError(
             f"precision.backend={policy.backend.value!r} is not available here; "
             f"available: {[b.value for b in available]}"
         )
-    return policy.backend.value
+    return FP8_GEMM.resolve(policy.backend.value).backend
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,33 +292,57 @@ def _scaled_mm(
     return out[:m, :n]
 
 
-def _fused_kernels(backend: str, x: torch.Tensor) -> bool:
-    """Whether ``backend`` quantizes and dequantizes operands on ``x``'s device with the fused
-    Triton kernels: ``torch`` on CUDA."""
-    return backend == "torch" and x.is_cuda
+def _quant_triton() -> ModuleType:
+    from kpool_layers.kernels import fp8_quant_triton
+
+    return fp8_quant_triton
+
+
+def _dequant_triton() -> ModuleType:
+    from kpool_layers.kernels import fp8_dequant_triton
+
+    return fp8_dequant_triton
+
+
+_TRITON_HERE = (needs_cuda, needs_package("triton"))
+
+FP8_QUANT = register(Route("fp8_quant", (
+    KernelBackend("triton", _quant_triton, "fused Triton quantization: one kernel per operand, two for tensorwise",
+                  declines=_TRITON_HERE),
+    KernelBackend("torch", lambda: fp8.quantize, "kpool_layers.precision.fp8.quantize (aten ops)"),
+), summary="FP8 e4m3 operand quantization of precision.backend=torch (same bytes and scales)"))
+"""``fp8_quant``: the Triton kernel module (``quantize`` looked up per call) or :func:`fp8.quantize`."""
+
+FP8_DEQUANT = register(Route("fp8_dequant", (
+    KernelBackend("triton", _dequant_triton, "fused Triton dequantization, one kernel", declines=_TRITON_HERE),
+    KernelBackend("torch", lambda: fp8.dequantize, "kpool_layers.precision.fp8.dequantize (aten ops)"),
+), summary="FP8 e4m3 operand dequantization of precision.backend=torch (same bits)"))
+"""``fp8_dequant``: the Triton kernel module (``dequantize`` looked up per call) or :func:`fp8.dequantize`."""
+
+
+def _fused_kernels(backend: str, x: torch.Tensor, route: Route) -> bool:
+    """Whether ``backend`` quantizes (dequantizes) operands on ``x``'s device with ``route``'s
+    fused Triton kernel: ``torch`` on CUDA, where the route resolved to ``triton``."""
+    return backend == "torch" and x.is_cuda and route.default().backend == "triton"
 
 
 def quantizer(backend: str, x: torch.Tensor) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """How ``backend`` quantizes operands on ``x``'s device: the fused Triton kernel
-    (:mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two for tensorwise)
-    where :func:`_fused_kernels`, otherwise :func:`kpool_layers.precision.fp8.quantize`; both give the same
-    bytes and scales."""
-    if _fused_kernels(backend, x):
-        from kpool_layers.kernels import fp8_quant_triton
-
-        return fp8_quant_triton.quantize
+    (:data:`FP8_QUANT`, :mod:`kpool_layers.kernels.fp8_quant_triton`: one kernel per operand, two
+    for tensorwise) where :func:`_fused_kernels`, otherwise :func:`kpool_layers.precision.fp8.quantize`;
+    both give the same bytes and scales."""
+    if _fused_kernels(backend, x, FP8_QUANT):
+        return FP8_QUANT.default().kernel.quantize
     return fp8.quantize
 
 
 def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
     """How ``backend`` dequantizes e4m3 operands ``q`` on their device, ``(q, scale, recipe,
-    operand, out_dtype) -> out_dtype``: the fused Triton kernel
-    (:mod:`kpool_layers.kernels.fp8_dequant_triton`, one kernel) where :func:`_fused_kernels`,
+    operand, out_dtype) -> out_dtype``: the fused Triton kernel (:data:`FP8_DEQUANT`,
+    :mod:`kpool_layers.kernels.fp8_dequant_triton`, one kernel) where :func:`_fused_kernels`,
     otherwise :func:`kpool_layers.precision.fp8.dequantize`; both give the same bits."""
-    if _fused_kernels(backend, q):
-        from kpool_layers.kernels import fp8_dequant_triton
-
-        return fp8_dequant_triton.dequantize
+    if _fused_kernels(backend, q, FP8_DEQUANT):
+        return FP8_DEQUANT.default().kernel.dequantize
     return fp8.dequantize
 
 

@@ -21,6 +21,7 @@ from kpool_layers import model_facts
 from kpool_layers.compat import wgrad_accumulation
 from kpool_layers.mla.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.loss import loss_backend
 from kpool_layers.moe.grouped_gemm import supports_policy
 from kpool_layers.precision.policy import DType, PrecisionPolicy
 from recipes.config.schema import Config, ParallelismConfig
@@ -51,8 +52,9 @@ def grouped_experts(model_grouped_gemm: bool | None, policy: PrecisionPolicy, on
 def fused_cross_entropy(train_cross_entropy_fusion: bool, on_gpu: bool) -> bool:
     """``train.cross_entropy_fusion`` where its kernels run: on a GPU
     (``kpool_layers.loss``, Triton; any logits dtype, the logit gradients come back in
-    the logits' dtype). On the CPU megatron's unfused loss runs."""
-    return train_cross_entropy_fusion and on_gpu
+    the logits' dtype). On the CPU megatron's unfused loss runs (the kernel route
+    ``kpool_layers.loss.LOSS``)."""
+    return loss_backend(train_cross_entropy_fusion, on_gpu) == "triton"
 
 
 def _wgrad_fusion(ddp: bool) -> bool:

@@ -6,6 +6,8 @@ role-tagged class that holds its role's numerics (``kpool_layers.precision.linea
 
 * :func:`profile_policy` - the policy of a profile of ``conf/precision`` (the profiles' only
   definition).
+* :func:`route_rows` - one row per kernel route (:mod:`kpool_layers.kernel_routes`): the chosen
+  backend and why the preferred ones declined; :func:`kernel_rows` appends them to the DSA rows.
 * :func:`precision_map` / :func:`precision_rows` / :func:`report_precision` - the map (one row per
   linear: ``module``, ``role``, ``quantized``, ``dtype``, ``backend``, ``note``) from each module's
   ``role`` and ``numerics``, printed, saved as ``<run dir>/precision_map.json`` and put in the
@@ -39,7 +41,15 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer.moe.router import TopKRouter
 from omegaconf import OmegaConf
 
+from kpool_layers import kernel_routes
+from kpool_layers.compat.wgrad_accumulation import WGRAD
+from kpool_layers.dsa.backends import DSA
 from kpool_layers.dsa.core_attention import SparseMLACore
+from kpool_layers.loss import LOSS
+from kpool_layers.moe.grouped_gemm import GROUPED_FP8, GROUPED_MM
+from kpool_layers.precision.fp8 import SERVING_QUANT
+from kpool_layers.precision.hadamard import HADAMARD
+from kpool_layers.precision.policy import FP8_DEQUANT, FP8_GEMM, FP8_QUANT
 from kpool_layers.moe.experts import GroupedExperts
 from kpool_layers.dsa.indexer import DSAIndexer
 from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, resolve_backend
@@ -51,6 +61,10 @@ PROFILES_DIR = Path(__file__).resolve().parents[1] / "conf" / "precision"
 _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, TopKRouter, torch.nn.Linear)
 
 NO_ROLE_NOTE = "no precision role: left as built"
+
+KERNEL_ROUTES: tuple[kernel_routes.Route, ...] = (DSA, FP8_GEMM, FP8_QUANT, FP8_DEQUANT, SERVING_QUANT, HADAMARD,
+                                                  GROUPED_FP8, GROUPED_MM, LOSS, WGRAD)
+"""Every kernel route the map lists (imported here, so each is registered before it is listed)."""
 
 
 def profile_policy(name: str) -> PrecisionPolicy:
@@ -115,6 +129,24 @@ def kernel_rows(model: torch.nn.Module) -> list[dict[str, Any]]:
             rows.append({"module": _strip(name), "role": "kernel.indexer_topk", "quantized": False,
                          "dtype": "float32", "backend": module.config.dsa_kernels,
                          "note": "deterministic"})
+    return rows + route_rows()
+
+
+def route_rows() -> list[dict[str, Any]]:
+    """One row per kernel route (:mod:`kpool_layers.kernel_routes`, every key), role
+    ``route.<key>``: ``backend`` = the chosen backend, ``note`` = why each preferred backend
+    declined (or that the config asked for it), plus ``allowed`` (the table, in order) and
+    ``declined`` (backend -> reason)."""
+    rows = []
+    missing = {route.key for route in KERNEL_ROUTES} ^ set(kernel_routes.ROUTES)
+    if missing:
+        raise RuntimeError(f"kernel routes not in KERNEL_ROUTES or not registered: {sorted(missing)}")
+    for r in kernel_routes.resolutions():
+        reasons = "; ".join(f"{name}: {why}" for name, why in r["declined"].items())
+        note = f"asked for by {r['config_key']}" if r["forced"] else f"declined {reasons}" if reasons else "first choice"
+        rows.append({"module": f"kernel_routes.{r['key']}", "role": f"route.{r['key']}", "quantized": False,
+                     "dtype": "any", "backend": r["backend"], "note": note, "allowed": r["allowed"],
+                     "declined": r["declined"]})
     return rows
 
 
@@ -133,7 +165,7 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
         groups[key] = groups.get(key, 0) + 1
     lines = []
     for (role, quantized, dtype, backend, note), n in groups.items():
-        kind = (f"kernel {backend}" if str(role).startswith("kernel.")
+        kind = (f"kernel {backend}" if str(role).startswith(("kernel.", "route."))
                 else f"FP8 ({backend})" if quantized else "unquantized")
         lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
     return lines

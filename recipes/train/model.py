@@ -18,7 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from kpool_layers.compat import cpu as _cpu
 from kpool_layers.mla.attention import glm_attention_spec
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.loss import FusedLossGPTModel
+from kpool_layers.loss import LOSS
 from kpool_layers.precision.linears import assign_gpt_roles
 from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec
 from recipes.config.schema import Config
@@ -28,10 +28,10 @@ def build_gpt_model(cfg: Config, tcfg: GLMTransformerConfig) -> GPTModel:
     """The ``GPTModel`` for this rank's pipeline stage (embedding on the first, head on the last),
     every linear tagged with its precision role (``kpool_layers.precision.linears``); with
     ``tcfg.cross_entropy_loss_fusion`` its loss is ``kpool_layers.loss``'s kernels
-    (:class:`FusedLossGPTModel`)."""
+    (:class:`kpool_layers.loss.FusedLossGPTModel`, the route :data:`kpool_layers.loss.LOSS`)."""
     attention = glm_attention_spec(tcfg)
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    model_class = FusedLossGPTModel if tcfg.cross_entropy_loss_fusion else GPTModel
+    model_class = LOSS.backend("triton" if tcfg.cross_entropy_loss_fusion else "megatron").load()
     model = model_class(
         config=tcfg,
         transformer_layer_spec=glm_decoder_block_spec(tcfg, attention, pp_rank=ps.get_pipeline_model_parallel_rank()),
