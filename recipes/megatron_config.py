@@ -21,6 +21,7 @@ from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_gemm import supports_policy
 from kpool_layers.precision import DType, PrecisionPolicy
+from recipes.recompute import recompute_fields
 from recipes.schema import Config, ParallelismConfig
 from recipes.typed_config import plain
 
@@ -113,6 +114,8 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         pipeline_dtype=policy.params_dtype,
         dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
         deterministic_mode=cfg.train.deterministic,
+        # Activation recompute (recipes/recompute.py validates the combination).
+        **recompute_fields(cfg.train),
         # Whole-step CUDA graphs (recipes/cuda_graph.py); per-layer capture is not used.
         cuda_graph_impl=cfg.train.cuda_graph_impl.value,
         cuda_graph_modules=[],
