@@ -198,7 +198,9 @@ def report(cfg: Config, model: nn.Module) -> list[str]:
     recompute = "" if t.recompute_granularity is None else (
         f" ({t.recompute_granularity.value}: " + (", ".join(t.recompute_modules or ())
                                                  if t.recompute_granularity.value == "selective" else
-                                                 f"{t.recompute_method.value}, {t.recompute_num_layers} layers") + ")")
+                                                 (f"uniform, units of {t.recompute_num_layers} layers"
+                                                  if t.recompute_method.value == "uniform" else
+                                                  f"block, first {t.recompute_num_layers} layers")) + ")")
     lines = [f"per-GPU memory by pipeline stage at TP={p.tensor_model_parallel_size} "
              f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} "
              f"CP={p.context_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs (micro batch "

@@ -92,4 +92,4 @@ def test_the_report_prints_both(proxy) -> None:
     cfg = to_config(_compose(BASE + ["train.loss_chunk_tokens=8192", "train.recompute_granularity=full",
                                      "train.recompute_method=block", "train.recompute_num_layers=2"]))
     line = next(x for x in memory_plan.report(cfg, proxy[1]) if "of the activations" in x)
-    assert "(loss in chunks of 8192 tokens)" in line and "(full: block, 2 layers)" in line
+    assert "(loss in chunks of 8192 tokens)" in line and "(full: block, first 2 layers)" in line
