@@ -197,3 +197,34 @@ def test_the_chunked_head_never_creates_the_whole_logits(single_rank_parallel_st
     vocab = "model.vocab_size=640"
     assert _largest_vocab_tensor(_tiny(0, vocab), tokens, labels, 640) == 96 * 2 * 640
     assert _largest_vocab_tensor(_tiny(32, vocab), tokens, labels, 640) == 32 * 2 * 640
+
+
+@pytest.mark.gpu
+def test_the_fused_loss_in_chunks_on_gpu(single_rank_parallel_state) -> None:
+    """bf16 glm5_tiny with the Triton loss (``ChunkedFusedLossGPTModel``), whole against chunks of
+    48 over 2 x 128 tokens (48 + 48 + 32). Per token the same kernels run on the same values,
+    except that cuBLAS may pick another GEMM algorithm for fewer rows: a bf16 logit may then
+    round to the neighbouring value, one step of 2^-8 relative to ``max|logit|``; the loss
+    ``lse - x_label`` moves by at most twice that. Each logit gradient ``g (p - onehot)`` then
+    moves by at most ``g p`` times that logit shift's effect (``2 * 2^-8 max|logit|`` relative) plus
+    one bf16 rounding (2^-8); every parameter gradient is linear in them, so the total gradient
+    norm moves by at most ``2^-8 (1 + 2 max|logit|)`` relative, again twice for the rounding of
+    the GEMMs' bf16 outputs downstream: ``2^-7 (1 + 2 max|logit|)``."""
+    from kpool_layers.chunked_loss import ChunkedFusedLossGPTModel
+
+    torch.manual_seed(0)
+    ref = _tiny(0, "precision=bf16", "model.dsa_kernels=triton").cuda()
+    chunked = _tiny(48, "precision=bf16", "model.dsa_kernels=triton").cuda()
+    assert type(chunked) is ChunkedFusedLossGPTModel
+    chunked.load_state_dict(ref.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 512, (2, 128), generator=gen).cuda()
+    labels = torch.randint(0, 512, (2, 128), generator=gen).cuda()
+    with torch.no_grad():
+        logits = ref(tokens, torch.arange(128, device="cuda").expand(2, -1), None)
+    top = float(logits.float().abs().max())
+    ref_loss, ref_grads = _loss_and_grads(ref, tokens, labels)
+    loss, grads = _loss_and_grads(chunked, tokens, labels)
+    assert (loss - ref_loss).abs().max() <= 2 * 2.0**-8 * top
+    norm = lambda gs: torch.sqrt(sum(g.float().square().sum() for g in gs.values()))  # noqa: E731
+    assert abs(norm(grads) - norm(ref_grads)) <= 2.0**-7 * (1 + 2 * top) * norm(ref_grads)
