@@ -55,13 +55,21 @@ def _run(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor],
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, calls
 
 
-def test_accepted_combinations_recompute_and_equal_no_recompute(single_rank_parallel_state) -> None:
+GROUPED = ["model.moe_grouped_gemm=true"]  # kpool_layers.grouped_experts, the GPUs' default experts
+
+
+@pytest.mark.parametrize("experts,accepted", [
+    ([], ACCEPTED),
+    (GROUPED, [(o, "decoder.layers.1.mlp.experts") for o, _ in (ACCEPTED[0], ACCEPTED[4])]),  # full; moe
+])
+def test_accepted_combinations_recompute_and_equal_no_recompute(experts, accepted,
+                                                               single_rank_parallel_state) -> None:
     torch.manual_seed(0)
-    ref_model = _build([])
+    ref_model = _build(experts)
     ref_loss, ref_grads, ref_calls = _run(ref_model)
-    for overrides, twice in ACCEPTED:
+    for overrides, twice in accepted:
         assert not all_problems(_compose(["model=glm5_tiny", *overrides]), 1), overrides
-        model = _build(overrides)
+        model = _build(experts + overrides)
         model.load_state_dict(ref_model.state_dict())
         loss, grads, calls = _run(model)
         assert ref_calls[twice] == 1 and calls[twice] == 2, (overrides, twice, calls[twice])
