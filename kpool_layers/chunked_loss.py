@@ -13,7 +13,8 @@ chunk's logits (and what the loss keeps of them) instead of the sequence's.
 Numerics: every token's logits, loss and logit gradient are computed by the same ops as without
 chunks (``hidden @ W^T``, ``compute_language_model_loss``); the input gradient of a token is the
 same product. Only the weight gradient is a sum over chunks, accumulated in FP32 and rounded to
-the weight's dtype once (as the GEMM over the whole sequence rounds its FP32 accumulator once).
+the weight's dtype once (as the GEMM over the whole sequence rounds its FP32 accumulator once);
+that accumulator takes ``4 V h / TP`` bytes during the backward.
 
 Tensor parallelism (vocab-parallel output layer, megatron's ``ColumnParallelLinear``): the hidden
 states enter as that layer's input does, gathered over the sequence under sequence parallelism

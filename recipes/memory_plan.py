@@ -11,7 +11,8 @@ Activations are an estimate, not a measurement: per token and layer ``34 * h / T
 recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
 expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
 plus the last stage's logits (bf16 + fp32 for the loss; with ``train.loss_chunk_tokens`` one
-chunk's, plus the gathered bf16 hidden states the chunks are recomputed from). Activation recompute
+chunk's, plus the gathered bf16 hidden states the chunks are recomputed from and the output
+weight gradient's FP32 accumulator). Activation recompute
 (``train.recompute_*``) keeps less per layer and rebuilds one unit during backward
 (:func:`_recomputed`). Under context parallelism a rank holds
 ``seq_length / CP`` tokens of every micro batch, and every layer also keeps the whole row's keys it
@@ -178,9 +179,11 @@ def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
         if stage == pp - 1:
             chunk = t.loss_chunk_tokens
             logit_tokens = min(chunk * t.micro_batch_size, tokens) if chunk else tokens
-            # the logits (bf16 + fp32 for the loss); chunked: one chunk's, and the gathered hidden
-            # states the chunks recompute them from (bf16, the whole row on every TP rank)
-            logits = logit_tokens * m.vocab_size / tp * 6 + (2 * m.hidden_size * tokens if chunk else 0)
+            # the logits (bf16 + fp32 for the loss); chunked: one chunk's, the gathered hidden
+            # states the chunks recompute them from (bf16, the whole row on every TP rank) and the
+            # weight gradient's FP32 accumulator with its bf16 result (6 B per output weight)
+            logits = logit_tokens * m.vocab_size / tp * 6 + (
+                2 * m.hidden_size * tokens + 6 * m.vocab_size / tp * m.hidden_size if chunk else 0)
             activations += logits
         stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
                                   (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB,

@@ -56,7 +56,7 @@ def test_the_chunked_loss_keeps_one_chunk_of_logits(proxy) -> None:
     h, vocab = cfg.model.hidden_size, cfg.model.vocab_size
     whole, chunked = _stage(proxy), _stage(proxy, "train.loss_chunk_tokens=8192")
     assert whole.logits * GIB == SEQ * vocab * 6  # 113 GiB: the whole row's logits
-    assert chunked.logits * GIB == 8192 * vocab * 6 + 2 * h * SEQ
+    assert chunked.logits * GIB == 8192 * vocab * 6 + 2 * h * SEQ + 6 * vocab * h
     assert chunked.activations - chunked.logits == pytest.approx(whole.activations - whole.logits, rel=1e-12)
 
 
