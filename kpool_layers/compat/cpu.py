@@ -161,6 +161,10 @@ def install() -> bool:
     torch.cuda.current_stream = lambda *a, **k: _NullStream()  # type: ignore[assignment]
     mrandom._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (megatron's CheckpointFunction) saves and restores "the CUDA generator":
+    # here the CPU one, which it also saves itself.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     _CudaToCpu().__enter__()  # stays active for the life of the process
     _INSTALLED = True
     return True

@@ -24,6 +24,7 @@ from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.loss import loss_backend
 from kpool_layers.moe.grouped_gemm import supports_policy
 from kpool_layers.precision.policy import DType, PrecisionPolicy
+from recipes.config.recompute import recompute_fields
 from recipes.config.schema import Config, ParallelismConfig
 from recipes.config.typed import plain
 
@@ -119,6 +120,8 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
         pipeline_dtype=policy.params_dtype,
         dsa_indexer_k_norm_fp32=policy.dsa_indexer_k_norm_fp32,  # megatron's own field
         deterministic_mode=cfg.train.deterministic,
+        # Activation recompute (recipes/config/recompute.py validates the combination).
+        **recompute_fields(cfg.train),
         # Whole-step CUDA graphs (recipes/train/cuda_graph.py); per-layer capture is not used.
         cuda_graph_impl=cfg.train.cuda_graph_impl.value,
         cuda_graph_modules=[],

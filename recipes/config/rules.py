@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from kpool_layers import model_facts
 from kpool_layers.moe.grouped_gemm import FP8_RECIPES
 from kpool_layers.precision.policy import WeightsProjDtype, available_backends
+from recipes.config import recompute
 from recipes.config.keys import check_config_keys
 from recipes.config.schema import (ConfigError, CudaGraphImpl, DataKind, Dispatcher, DriftReference, Range,
                                    numeric_fields)
@@ -158,6 +159,9 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
     _validate_precision(cfg)
     _validate_kernels(cfg)
     _validate_cuda_graph(cfg)
+    for key, value, allowed in recompute.problems(t, m.num_layers, pp, m.num_moe_experts,
+                                                  m.moe_first_k_dense_layers, m.mtp_num_layers):
+        _fail(ConfigError(key, value, allowed))
 
 
 def _check_rollout(m: DictConfig, d: DictConfig, p: DictConfig, t: DictConfig) -> None:

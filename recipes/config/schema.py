@@ -262,6 +262,20 @@ class CudaGraphImpl(str, Enum):
     full_iteration = "full_iteration"
 
 
+class RecomputeGranularity(str, Enum):
+    """megatron's ``recompute_granularity`` (recipes/config/recompute.py says which combinations run)."""
+
+    full = "full"  # whole transformer layers recomputed in backward (recompute_method, _num_layers)
+    selective = "selective"  # the submodules of train.recompute_modules
+
+
+class RecomputeMethod(str, Enum):
+    """megatron's ``recompute_method`` (with ``recompute_granularity=full``)."""
+
+    uniform = "uniform"  # every group of recompute_num_layers layers checkpointed as one
+    block = "block"  # the first recompute_num_layers layers of each pipeline stage
+
+
 class FP8WeightCache(str, Enum):
     """What a training step keeps of its FP8 weights for its later micro-batches
     (``kpool_layers/precision/weight_cache.py``)."""
@@ -308,6 +322,14 @@ class TrainConfig:
     cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture
     # The language-model loss in two Triton kernels on GPUs (kpool_layers/loss.py).
     cross_entropy_fusion: bool = True
+    # The output layer and loss in chunks of this many tokens, logits recomputed in backward
+    # (kpool_layers/chunked_loss.py); 0 = the whole sequence at once.
+    loss_chunk_tokens: int = num(0, 0)
+    # megatron's activation recompute, under megatron's names (recipes/config/recompute.py); null = off.
+    recompute_granularity: Optional[RecomputeGranularity] = None
+    recompute_method: Optional[RecomputeMethod] = None
+    recompute_num_layers: Optional[int] = num(None, 1)
+    recompute_modules: Optional[list[str]] = None  # selective: null = megatron's ["core_attn"]
     # FP8 weights quantized once per step, not per micro-batch (the same bits; precision.fp8 only).
     fp8_weight_cache: FP8WeightCache = FP8WeightCache.fp8
 

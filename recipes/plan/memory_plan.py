@@ -10,7 +10,11 @@ Activations are an estimate, not a measurement: per token and layer ``34 * h / T
 (Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
 recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
 expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
-plus the last stage's logits (bf16 + fp32 for the loss). Under context parallelism a rank holds
+plus the last stage's logits (bf16 + fp32 for the loss; with ``train.loss_chunk_tokens`` one
+chunk's, plus the gathered bf16 hidden states the chunks are recomputed from and the output
+weight gradient's FP32 accumulator). Activation recompute
+(``train.recompute_*``) keeps less per layer and rebuilds one unit during backward
+(:func:`_recomputed`). Under context parallelism a rank holds
 ``seq_length / CP`` tokens of every micro batch, and every layer also keeps the whole row's keys it
 gathered from the CP ranks for backward: the latent KV (``kv_lora_rank + qk_pos_emb_head_dim``)
 and the indexer keys (``dsa_indexer_head_dim``, twice with the KPool gate). A stage fits a GPU if its total is at
@@ -25,7 +29,7 @@ from torch import nn
 
 from kpool_layers.precision.policy import DType
 from recipes.config.pipeline_layout import stage_layers
-from recipes.config.schema import Config
+from recipes.config.schema import Config, TrainConfig
 
 GPU_SIZES_GB = {"80 GB (A100/H100)": 80, "141 GB (H200)": 141, "192 GB (B200)": 192}
 USABLE = 0.9
@@ -42,7 +46,9 @@ class StageMemory:
     weights: float
     grads: float
     optimizer: float
-    activations: float
+    activations: float  # all of them, including the two parts below
+    logits: float = 0.0  # the output layer's logits (and the chunked loss's saved hidden states)
+    recompute_working: float = 0.0  # one recompute unit's activations, rebuilt during backward
 
     @property
     def total(self) -> float:
@@ -101,6 +107,42 @@ class RankSizes:
         return 12 / (self.edp if self.distributed_optimizer else 1)
 
 
+def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input: float
+                ) -> tuple[list[float], float]:
+    """Bytes per token each of a stage's layers keeps for backward under ``t``'s recompute
+    (``full``: each layer's without recompute; ``moe``: which are MoE layers; ``layer_input``:
+    ``h / TP``, so that a layer's bf16 input is ``2 * layer_input`` bytes per token), and the largest
+    recompute unit's activations per token, which exist again while it is recomputed.
+
+    Korthikanti et al.'s 34 h per token and layer splits into 15 h attention + layer norms and
+    19 h MLP, of which the MLP's input is 2 h: recomputing ``mlp`` (dense layers) or ``moe`` (MoE
+    layers, with their routed intermediates) keeps the input only. ``full`` keeps each unit's
+    input (``uniform``: every ``recompute_num_layers`` layers one unit; ``block``: the first
+    ``recompute_num_layers`` layers, one unit each). ``shared_experts`` is not modelled (the
+    estimate has no separate shared-expert term)."""
+    granularity = t.recompute_granularity
+    if granularity is None:
+        return full, 0.0
+    if granularity.value == "selective":
+        kept, working = list(full), 0.0
+        for i, is_moe in enumerate(moe):
+            if ("moe" if is_moe else "mlp") in (t.recompute_modules or ()):
+                mlp_part = full[i] - 34 * layer_input + 19 * layer_input
+                kept[i] = full[i] - mlp_part + 2 * layer_input
+                working = max(working, mlp_part)
+        return kept, working
+    n = t.recompute_num_layers
+    if t.recompute_method.value == "uniform":
+        units = [range(i, min(i + n, len(full))) for i in range(0, len(full), n)]
+    else:
+        units = [range(i, i + 1) for i in range(min(n, len(full)))]
+    kept = list(full)
+    for unit in units:
+        for i in unit:
+            kept[i] = 2 * layer_input if i == unit[0] else 0.0
+    return kept, max((sum(full[i] for i in unit) for unit in units), default=0.0)
+
+
 def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
     """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
     m, p, t = cfg.model, cfg.parallelism, cfg.train
@@ -127,14 +169,25 @@ def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
             groups = groups + [parts["head"], parts["mtp"]] + ([parts["embedding"]] if m.mtp_num_layers and pp > 1 else [])
         dense = sum(g[0] for g in groups) / tp
         expert = sum(g[1] for g in groups) / (ep * etp)
-        moe_layers = sum(1 for g in per_layer[start:start + count] if g[1])
-        per_token = count * 34 * m.hidden_size / tp + moe_layers * 6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp
+        full = [34 * m.hidden_size / tp + (6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp if g[1] else 0)
+                for g in per_layer[start:start + count]]
+        kept, working = _recomputed(t, full, [bool(g[1]) for g in per_layer[start:start + count]],
+                                    m.hidden_size / tp)
         in_flight = min(pp - stage, micro_batches)
-        activations = (per_token * tokens + count * gathered) * in_flight
+        activations = (sum(kept) * tokens + count * gathered) * in_flight + working * tokens
+        logits = 0.0
         if stage == pp - 1:
-            activations += tokens * m.vocab_size / tp * 6
+            chunk = t.loss_chunk_tokens
+            logit_tokens = min(chunk * t.micro_batch_size, tokens) if chunk else tokens
+            # the logits (bf16 + fp32 for the loss); chunked: one chunk's, the gathered hidden
+            # states the chunks recompute them from (bf16, the whole row on every TP rank) and the
+            # weight gradient's FP32 accumulator with its bf16 result (6 B per output weight)
+            logits = logit_tokens * m.vocab_size / tp * 6 + (
+                2 * m.hidden_size * tokens + 6 * m.vocab_size / tp * m.hidden_size if chunk else 0)
+            activations += logits
         stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
-                                  (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB))
+                                  (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB,
+                                  logits / GIB, working * tokens / GIB))
         start += count
     return stages
 
@@ -143,6 +196,14 @@ def report(cfg: Config, model: nn.Module) -> list[str]:
     """Console lines: each stage's memory, the largest, and the verdict per GPU size."""
     p = cfg.parallelism
     stages = plan(cfg, model)
+    t = cfg.train
+    chunks = f" (loss in chunks of {t.loss_chunk_tokens} tokens)" if t.loss_chunk_tokens else " (whole sequence)"
+    recompute = "" if t.recompute_granularity is None else (
+        f" ({t.recompute_granularity.value}: " + (", ".join(t.recompute_modules or ())
+                                                 if t.recompute_granularity.value == "selective" else
+                                                 (f"uniform, units of {t.recompute_num_layers} layers"
+                                                  if t.recompute_method.value == "uniform" else
+                                                  f"block, first {t.recompute_num_layers} layers")) + ")")
     lines = [f"per-GPU memory by pipeline stage at TP={p.tensor_model_parallel_size} "
              f"PP={p.pipeline_model_parallel_size} EP={p.expert_model_parallel_size} "
              f"CP={p.context_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs (micro batch "
@@ -153,6 +214,9 @@ def report(cfg: Config, model: nn.Module) -> list[str]:
     for s in stages:
         lines.append(f"  stage {s.stage}: {s.layers} layers | weights {s.weights:.1f} | grads {s.grads:.1f} | "
                      f"optimizer {s.optimizer:.1f} | activations {s.activations:.1f} | total {s.total:.1f} GiB")
+        if s.logits or s.recompute_working:
+            lines.append(f"    of the activations: logits {s.logits:.1f} GiB{chunks} | "
+                         f"recompute working set {s.recompute_working:.1f} GiB{recompute}")
     worst = max(stages, key=lambda s: s.total)
     verdicts = [f"{name}: {'fits' if worst.total * GIB <= USABLE * gb * 1e9 else 'does not fit'}"
                 for name, gb in GPU_SIZES_GB.items()]

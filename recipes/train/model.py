@@ -18,6 +18,7 @@ from megatron.core.models.gpt import GPTModel
 from kpool_layers.compat import cpu as _cpu
 from kpool_layers.mla.attention import glm_attention_spec
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers import chunked_loss
 from kpool_layers.loss import LOSS
 from kpool_layers.precision.linears import assign_gpt_roles
 from kpool_layers.spec import glm_decoder_block_spec, glm_mtp_block_spec
@@ -28,11 +29,15 @@ def build_gpt_model(cfg: Config, tcfg: GLMTransformerConfig) -> GPTModel:
     """The ``GPTModel`` for this rank's pipeline stage (embedding on the first, head on the last),
     every linear tagged with its precision role (``kpool_layers.precision.linears``); with
     ``tcfg.cross_entropy_loss_fusion`` its loss is ``kpool_layers.loss``'s kernels
-    (:class:`kpool_layers.loss.FusedLossGPTModel`, the route :data:`kpool_layers.loss.LOSS`)."""
+    (:class:`kpool_layers.loss.FusedLossGPTModel`, the route :data:`kpool_layers.loss.LOSS`); with
+    ``cfg.train.loss_chunk_tokens`` its head runs in chunks (:mod:`kpool_layers.chunked_loss`)."""
     attention = glm_attention_spec(tcfg)
     pre, post = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    model_class = LOSS.backend("triton" if tcfg.cross_entropy_loss_fusion else "megatron").load()
+    chunk = cfg.train.loss_chunk_tokens
+    model_class = (chunked_loss.model_class(tcfg.cross_entropy_loss_fusion, chunk) if chunk else
+                   LOSS.backend("triton" if tcfg.cross_entropy_loss_fusion else "megatron").load())
     model = model_class(
+        **({"loss_chunk_tokens": chunk} if chunk else {}),
         config=tcfg,
         transformer_layer_spec=glm_decoder_block_spec(tcfg, attention, pp_rank=ps.get_pipeline_model_parallel_rank()),
         vocab_size=cfg.model.vocab_size,

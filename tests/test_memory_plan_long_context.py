@@ -1,0 +1,95 @@
+"""The memory plan (``recipes/plan/memory_plan.py``) with the chunked loss and activation recompute:
+the figures it adds and removes, from its documented per-token model, on glm5_proxy at 128K
+tokens (micro batch 1, one H200)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from recipes.plan import memory_plan
+from recipes.config.typed import to_config
+from tests.test_config import _compose
+
+GIB = 2**30
+SEQ = 131072
+BASE = ["experiment=glm5_proxy_h200", f"data.seq_length={SEQ}", f"model.max_position_embeddings={SEQ}",
+        "train.micro_batch_size=1", "train.global_batch_size=1"]
+
+
+@pytest.fixture(scope="module")
+def proxy():
+    """glm5_proxy built on the meta device (as the dry run builds it)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from recipes.config.megatron import to_transformer_config
+    from recipes.train.model import build_gpt_model, meta_init
+    from tests.conftest import free_port
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel()
+    cfg = to_config(_compose(BASE + ["train.dry_run=true"]))
+    tcfg = to_transformer_config(cfg)
+    with meta_init(tcfg):
+        model = build_gpt_model(cfg, tcfg)
+    yield cfg, model
+    ps.destroy_model_parallel()
+    if created:
+        dist.destroy_process_group()
+
+
+def _stage(proxy, *overrides: str) -> memory_plan.StageMemory:
+    cfg = to_config(_compose(BASE + list(overrides)))
+    (stage,) = memory_plan.plan(cfg, proxy[1])
+    return stage
+
+
+def test_the_chunked_loss_keeps_one_chunk_of_logits(proxy) -> None:
+    cfg = proxy[0]
+    h, vocab = cfg.model.hidden_size, cfg.model.vocab_size
+    whole, chunked = _stage(proxy), _stage(proxy, "train.loss_chunk_tokens=8192")
+    assert whole.logits * GIB == SEQ * vocab * 6  # 113 GiB: the whole row's logits
+    assert chunked.logits * GIB == 8192 * vocab * 6 + 2 * h * SEQ + 6 * vocab * h
+    assert chunked.activations - chunked.logits == pytest.approx(whole.activations - whole.logits, rel=1e-12)
+
+
+def test_full_recompute_keeps_each_layers_input(proxy) -> None:
+    cfg = proxy[0]
+    m = cfg.model
+    layers = m.num_layers
+    moe_extra = 6 * m.moe_router_topk * m.moe_ffn_hidden_size
+    plain = _stage(proxy)
+    full = _stage(proxy, "train.recompute_granularity=full", "train.recompute_method=uniform",
+                  "train.recompute_num_layers=1")
+    # every layer keeps its bf16 input (2 h per token); one layer (the largest: MoE) is rebuilt
+    assert (full.activations - full.logits) * GIB == pytest.approx(
+        layers * 2 * m.hidden_size * SEQ + (34 * m.hidden_size + moe_extra) * SEQ, rel=1e-12)
+    assert full.recompute_working * GIB == (34 * m.hidden_size + moe_extra) * SEQ
+    assert full.activations - full.logits < (plain.activations - plain.logits) / 5
+
+
+def test_selective_recompute_of_the_moe_layers(proxy) -> None:
+    cfg = proxy[0]
+    m = cfg.model
+    moe_layers = m.num_layers - m.moe_first_k_dense_layers
+    moe_mlp = 19 * m.hidden_size + 6 * m.moe_router_topk * m.moe_ffn_hidden_size
+    plain = _stage(proxy)
+    moe = _stage(proxy, "train.recompute_granularity=selective", "train.recompute_modules=[moe]")
+    # each MoE layer keeps the MLP's input (2 h) of its MLP part; one MoE MLP is rebuilt
+    saved = moe_layers * (moe_mlp - 2 * m.hidden_size) * SEQ - moe_mlp * SEQ
+    assert (plain.activations - moe.activations) * GIB == pytest.approx(saved, rel=1e-12)
+    assert moe.recompute_working * GIB == moe_mlp * SEQ
+
+
+def test_the_report_prints_both(proxy) -> None:
+    cfg = to_config(_compose(BASE + ["train.loss_chunk_tokens=8192", "train.recompute_granularity=full",
+                                     "train.recompute_method=block", "train.recompute_num_layers=2"]))
+    line = next(x for x in memory_plan.report(cfg, proxy[1]) if "of the activations" in x)
+    assert "(loss in chunks of 8192 tokens)" in line and "(full: block, first 2 layers)" in line
