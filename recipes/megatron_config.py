@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kpool_layers import dsa_kernels, model_facts, wgrad_accumulation
+from kpool_layers.linear_attention import backends as linear_attention_backends
 from kpool_layers.attention import IndexerLossAutoScaler
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.grouped_gemm import supports_policy
@@ -73,6 +74,8 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
 
     copied["dsa_kernels"] = dsa_kernels.resolve(
         copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
+    copied["linear_attention_kernels"] = linear_attention_backends.resolve(
+        copied["linear_attention_kernels"], on_device=False if cfg.train.dry_run else None)
     policy = PrecisionPolicy.from_config(cfg.precision)
     experts = m.num_moe_experts
     if experts is None:  # a dense model: megatron refuses MoE sizes without experts

@@ -30,6 +30,7 @@ from omegaconf import DictConfig
 from kpool_layers import model_facts
 from kpool_layers.dsa_kernels import Backend as DsaKernels
 from kpool_layers.grouped_gemm import FP8_RECIPES
+from kpool_layers.linear_attention.backends import Backend as LinearAttentionKernels
 from kpool_layers.precision import PrecisionPolicy, WeightsProjDtype, available_backends
 
 
@@ -140,6 +141,7 @@ class ModelConfig:
     dsa_indexer_k_norm_epsilon: float = num(1e-6, 0.0, 1.0, open_lo=True, open_hi=True)
     dsa_indexer_query_chunk_size: int = num(1024, 1)
     dsa_kernels: DsaKernels = DsaKernels.auto  # sparse MLA + indexer top-k kernels (docs/kernels.md)
+    linear_attention_kernels: LinearAttentionKernels = LinearAttentionKernels.auto  # KDA delta rule (docs/linear_attention.md)
     # KPool (pooled index keys).
     dsa_indexer_kpool: int = num(1, 1, max(model_facts.KPOOL_ALLOWED))
     dsa_indexer_kpool_always_select_tail: bool = False
@@ -501,6 +503,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
+    _validate_linear_attention_kernels(cfg)
     _validate_cuda_graph(cfg)
 
 
@@ -538,6 +541,20 @@ def _validate_kernels(cfg: DictConfig) -> None:
     except dsa_kernels.KernelUnavailable as err:
         shown = requested if requested == backend else f"{requested} (= {backend} here)"
         _fail(ConfigError("model.dsa_kernels", shown, f"{list(dsa_kernels.BACKENDS)}; {err}"))
+
+
+def _validate_linear_attention_kernels(cfg: DictConfig) -> None:
+    """``model.linear_attention_kernels``: resolvable and runnable here (unless a dry run)."""
+    from kpool_layers.linear_attention import backends
+
+    requested = cfg.model.linear_attention_kernels.value
+    on_device = not cfg.train.dry_run
+    backend = backends.resolve(requested, on_device=None if on_device else False)
+    try:
+        backends.check_backend(backend, on_device=on_device)
+    except backends.KernelUnavailable as err:
+        shown = requested if requested == backend else f"{requested} (= {backend} here)"
+        _fail(ConfigError(backends.KEY, shown, f"{list(backends.BACKENDS)}; {err}"))
 
 
 def _validate_cuda_graph(cfg: DictConfig) -> None:

@@ -90,10 +90,31 @@ def test_backend_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         backends.resolve("cuda")
     backends.check_backend("torch")
     monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backends.resolve("auto") == "torch"  # CUDA without the package: no extra needed
     with pytest.raises(backends.KernelUnavailable, match=r"\.\[fla\]"):
         backends.check_backend("fla")
+    backends.check_backend("fla", on_device=False)  # a dry run plans for another machine
     with pytest.raises(backends.KernelUnavailable, match="not resolved"):
         backends.delta_rule("auto")
+
+
+def test_config_key_validated_and_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``model.linear_attention_kernels``: ``fla`` named on a machine without the package (or
+    without CUDA) is a ConfigError naming the key and the fix, except for a dry run; ``auto`` is
+    resolved to ``torch`` here before the megatron config is made."""
+    from recipes.megatron_config import to_transformer_config
+    from recipes.schema import ConfigError, validate
+    from recipes.typed_config import to_config
+    from tests.test_config import _compose
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"model\.linear_attention_kernels='fla'.*torch"):
+        validate(_compose(["model=glm5_tiny", "model.linear_attention_kernels=fla"]), 1)
+    validate(_compose(["model=glm5_tiny", "model.linear_attention_kernels=fla", "train.dry_run=true"]), 1)
+    cfg = _compose(["model=glm5_tiny"])
+    validate(cfg, 1)
+    assert to_transformer_config(to_config(cfg)).linear_attention_kernels == "torch"
 
 
 # --- the layer against transformers -------------------------------------------------------------

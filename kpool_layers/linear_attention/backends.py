@@ -9,9 +9,10 @@ backend     delta rule
             ``pip install -e '.[fla]'``, fla-core 0.6.0; its Triton comes with PyTorch's CUDA wheels)
 ==========  ==================================================================================
 
-``auto`` is ``fla`` on a CUDA machine (and for a dry run planning for GPUs) and ``torch``
-elsewhere; it never falls back silently: :func:`check_backend` raises, before the build, when the
-resolved backend cannot run here, naming the fix.
+``auto`` is ``fla`` on a CUDA machine where flash-linear-attention is installed (and for a dry run
+planning for GPUs), else ``torch`` (models without KDA layers need no extra). ``fla`` requested by
+name is checked by :func:`check_backend` before the build: it raises, naming the fix, when the
+package or a CUDA device is missing.
 
 Every backend is a :data:`DeltaRule`: ``(q, k, v, g, beta, scale, cu_seqlens) -> o`` with
 ``q, k [B, T, H, K]`` and ``v [B, T, H, V]`` in the model dtype (q and k are L2-normalised inside),
@@ -52,28 +53,31 @@ class KernelUnavailable(ValueError):
 
 
 def resolve(requested: str, *, on_device: Optional[bool] = None) -> str:
-    """The backend ``requested`` stands for: ``auto`` -> ``fla`` with CUDA (or ``on_device=False``:
-    a dry run planning for GPUs), else ``torch``; other values unchanged."""
+    """The backend ``requested`` stands for: ``auto`` -> ``fla`` with CUDA and the package
+    installed (or ``on_device=False``: a dry run planning for GPUs), else ``torch``; other values
+    unchanged."""
     if requested not in BACKENDS:
         raise KernelUnavailable(f"{KEY}={requested!r}; allowed: {list(BACKENDS)}")
     if requested != "auto":
         return requested
     if on_device is False:
         return "fla"
-    return "fla" if torch.cuda.is_available() else "torch"
+    usable = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
+    return "fla" if usable else "torch"
 
 
 def check_backend(backend: str, *, on_device: bool = True) -> None:
     """Raise :class:`KernelUnavailable` unless resolved ``backend`` runs here: for ``fla`` the
-    package imports and (unless ``on_device=False``, a dry run) a CUDA device is present."""
-    if backend == "torch":
-        return
-    if backend != "fla":
+    package imports and a CUDA device is present (``on_device=False``, a dry run planning for
+    another machine, checks neither)."""
+    if backend not in ("torch", "fla"):
         raise KernelUnavailable(f"{KEY}={backend!r}; allowed: {list(BACKENDS)}")
+    if backend == "torch" or not on_device:
+        return
     if importlib.util.find_spec("fla") is None:
         raise KernelUnavailable(f"{KEY}=fla needs flash-linear-attention: {FLA_EXTRA}; "
                                 f"or set {KEY}=torch")
-    if on_device and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise KernelUnavailable(f"{KEY}=fla needs a CUDA device; set {KEY}=torch on this machine")
 
 
