@@ -238,6 +238,32 @@ def test_config_errors_name_the_keys(single_rank_parallel_state) -> None:
         ours(torch.zeros(4, 1, HIDDEN), key_value_states=torch.zeros(4, 1, HIDDEN))
 
 
+def test_in_megatron_transformer_layer(single_rank_parallel_state) -> None:
+    """Drop-in for the ``self_attention`` slot of megatron's ``TransformerLayer`` (pre-norm,
+    residual add): the layer's output is ``x + KDA(norm(x))`` plus the MLP part; packed THD goes
+    through; every parameter gets a finite gradient."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from kpool_layers.spec import glm_layer_spec
+
+    cfg = our_config(-5.0, ffn_hidden_size=64, num_moe_experts=None, hidden_dropout=0.0)
+    torch.manual_seed(0)
+    layer = TransformerLayer(cfg, glm_layer_spec(cfg, kda_spec(cfg), moe=False).submodules,
+                             layer_number=1)
+    assert isinstance(layer.self_attention, KimiDeltaAttention)
+    x = torch.randn(9, 1, HIDDEN, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    packed = thd([0, 4, 9])
+    out, _ = layer(x, None, packed_seq_params=packed)
+    with torch.no_grad():  # the same modules called by hand: the same operations, bit-equal
+        mid = x + layer.self_attention(layer.input_layernorm(x), packed_seq_params=packed)[0]
+        expected = mid + layer.mlp(layer.pre_mlp_layernorm(mid))[0]
+    torch.testing.assert_close(out, expected, rtol=0.0, atol=0.0)
+    out.sum().backward()
+    assert torch.isfinite(x.grad).all()
+    for name, p in layer.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
 # --- GPU: the fla backend against the torch reference -----------------------------------------
 
 @pytest.mark.gpu
