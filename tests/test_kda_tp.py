@@ -78,6 +78,22 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], x: torch.Tensor, weight: to
     return module, out.detach(), grad_x
 
 
+def _check_sharded_state_dict(mod: torch.nn.Module, ref: torch.nn.Module, case: str) -> None:
+    """Every parameter is a ShardedTensor of TP = 1's global shape; this rank's slice for the
+    TP-split ones (the linears' and the layer's own conv / dt_bias / A_log), whole otherwise."""
+    sharded = mod.sharded_state_dict(prefix="kda.")
+    rank = dist.get_rank()
+    for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
+        tensor = sharded[f"kda.{name}"]
+        assert tuple(tensor.global_shape) == tuple(ref_param.shape), (case, name, tensor)
+        assert tuple(tensor.local_shape) == tuple(param.shape), (case, name, tensor)
+        split = getattr(param, "tensor_model_parallel", False)
+        offset = [0] * param.dim()
+        if split:
+            offset[param.partition_dim] = rank * param.shape[param.partition_dim]
+        assert list(tensor.global_offset) == offset, (case, name, tensor)
+
+
 def _worker(rank: int, port: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
@@ -95,6 +111,7 @@ def _worker(rank: int, port: int) -> None:
         mod, out, gx = _run(sp, 2, cu, x, weight, reference=ref)
         _assert_tp_close(out, ref_out, f"{case} output")
         _assert_tp_close(gx, ref_gx, f"{case} input grad")
+        _check_sharded_state_dict(mod, ref, case)
         names = [name for name, _ in mod.named_parameters()]
         assert names == [name for name, _ in ref.named_parameters()], case
         for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
