@@ -41,6 +41,14 @@ class GLMTransformerConfig(MLATransformerConfig):
     or ``triton`` (resolved; ``auto`` is resolved before the config is made, see
     :mod:`kpool_layers.dsa.backends`)."""
 
+    linear_attention_kernels: str = "torch"
+    """Kernel of the KDA layers' delta rule: ``torch`` or ``fla`` (resolved; ``auto`` is resolved
+    before the config is made, see :mod:`kpool_layers.linear_attention.backends`)."""
+
+    linear_gate_lower_bound: float | None = -5.0
+    """KDA forget gate: ``lower_bound * sigmoid(exp(A_log) * f)``; None: ``-exp(A_log) softplus(f)``
+    (transformers' ``linear_lower_bound``, GLM-5.3: -5)."""
+
     mla_latent_norm_epsilon: float | None = None
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
     model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
@@ -64,6 +72,9 @@ class GLMTransformerConfig(MLATransformerConfig):
         if self.dsa_kernels not in ("torch", "tilelang", "triton"):
             raise ValueError(f"dsa_kernels={self.dsa_kernels!r} is not allowed; allowed: "
                              "torch, tilelang, triton ('auto' is resolved by the recipes)")
+        if self.linear_attention_kernels not in ("torch", "fla"):
+            raise ValueError(f"linear_attention_kernels={self.linear_attention_kernels!r} is not "
+                             "allowed; allowed: torch, fla ('auto' is resolved by the recipes)")
         problem = model_facts.kpool_problem(self.dsa_indexer_kpool, self.dsa_indexer_topk)
         if problem is not None:
             key, value, allowed = problem

@@ -20,6 +20,7 @@ from kpool_layers.dsa import backends as dsa_kernels
 from kpool_layers import model_facts
 from kpool_layers.compat import wgrad_accumulation
 from kpool_layers.mla.attention import IndexerLossAutoScaler
+from kpool_layers.linear_attention import backends as linear_attention_backends
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.loss import loss_backend
 from kpool_layers.moe.grouped_gemm import supports_policy
@@ -79,6 +80,8 @@ def to_transformer_config(cfg: Config, ddp: bool = False) -> GLMTransformerConfi
 
     copied["dsa_kernels"] = dsa_kernels.resolve(
         copied["dsa_kernels"], on_device=False if cfg.train.dry_run else None)
+    copied["linear_attention_kernels"] = linear_attention_backends.resolve(
+        copied["linear_attention_kernels"], on_device=False if cfg.train.dry_run else None)
     policy = PrecisionPolicy.from_config(cfg.precision)
     experts = m.num_moe_experts
     if experts is None:  # a dense model: megatron refuses MoE sizes without experts

@@ -158,6 +158,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
              f"0..{t.steps - 1} (less than train.steps)")
     _validate_precision(cfg)
     _validate_kernels(cfg)
+    _validate_linear_attention_kernels(cfg)
     _validate_cuda_graph(cfg)
     for key, value, allowed in recompute.problems(t, m.num_layers, pp, m.num_moe_experts,
                                                   m.moe_first_k_dense_layers, m.mtp_num_layers):
@@ -219,6 +220,20 @@ def _validate_kernels(cfg: DictConfig) -> None:
     except dsa_kernels.KernelUnavailable as err:
         shown = requested if requested == backend else f"{requested} (= {backend} here)"
         _fail(ConfigError("model.dsa_kernels", shown, f"{list(dsa_kernels.BACKENDS)}; {err}"))
+
+
+def _validate_linear_attention_kernels(cfg: DictConfig) -> None:
+    """``model.linear_attention_kernels``: resolvable and runnable here (unless a dry run)."""
+    from kpool_layers.linear_attention import backends
+
+    requested = cfg.model.linear_attention_kernels.value
+    on_device = not cfg.train.dry_run
+    backend = backends.resolve(requested, on_device=None if on_device else False)
+    try:
+        backends.check_backend(backend, on_device=on_device)
+    except backends.KernelUnavailable as err:
+        shown = requested if requested == backend else f"{requested} (= {backend} here)"
+        _fail(ConfigError(backends.KEY, shown, f"{list(backends.BACKENDS)}; {err}"))
 
 
 def _validate_cuda_graph(cfg: DictConfig) -> None:

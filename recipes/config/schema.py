@@ -27,6 +27,7 @@ from hydra.core.config_store import ConfigStore
 
 from kpool_layers import model_facts
 from kpool_layers.dsa.backends import Backend as DsaKernels
+from kpool_layers.linear_attention.backends import Backend as LinearAttentionKernels
 from kpool_layers.precision.policy import PrecisionPolicy
 
 
@@ -139,6 +140,7 @@ class ModelConfig:
     dsa_indexer_k_norm_epsilon: float = num(1e-6, 0.0, 1.0, open_lo=True, open_hi=True)
     dsa_indexer_query_chunk_size: int = num(1024, 1)
     dsa_kernels: DsaKernels = DsaKernels.auto  # sparse MLA + indexer top-k kernels (docs/kernels.md)
+    linear_attention_kernels: LinearAttentionKernels = LinearAttentionKernels.auto  # KDA delta rule (docs/linear_attention.md)
     # KPool (pooled index keys).
     dsa_indexer_kpool: int = num(1, 1, max(model_facts.KPOOL_ALLOWED))
     dsa_indexer_kpool_always_select_tail: bool = False

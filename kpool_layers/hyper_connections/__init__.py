@@ -1,0 +1,1 @@
+"""Hyper-connections: mHC residual streams (GLM-5.3)."""

@@ -1,0 +1,109 @@
+"""mHC (manifold-constrained hyper-connections): GLM-5.3's residual streams (transformers'
+``Glm5NextTextHyperConnection`` and ``Glm5NextTextHyperHead``, same math and order of operations).
+
+The residual is ``N = hc_mult`` streams ``[..., N, h]`` (megatron's ``[s, b, N, h]``; any leading
+token dims). Around each attention or MLP block ``F``::
+
+    x     = streams flattened to [..., N h], float32, x * rsqrt(mean(x^2) + eps_norm)
+    z     = x @ fn^T                                  [..., (2 + N) N]  (float32)
+    pre   = sigmoid(scale_0 z_pre + base_pre) + hc_eps                   [..., N]
+    post  = 2 sigmoid(scale_1 z_post + base_post)                        [..., N]
+    comb  = Sinkhorn(softmax_rows(scale_2 z_comb + base_comb) + hc_eps)  [..., N, N]
+    block input   = sum_n pre_n streams_n                                [..., h]
+    new streams   = post (x) F(block input) + comb^T @ streams           [..., N, h]
+
+Sinkhorn, in float32: normalise the columns, then ``hc_sinkhorn_iters - 1`` times the rows and
+the columns (each division by ``sum + hc_eps``): ``comb`` is doubly stochastic up to the
+iteration's convergence. The embeddings enter as ``N`` copies (:func:`expand_streams`); the last
+layer's streams are collapsed by their unweighted mean (:func:`collapse_streams`) before the
+final norm.
+
+Parameters: ``fn [(2 + N) N, N h]`` (model dtype, used in float32), ``base [(2 + N) N]`` and
+``scale [3]`` (float32). They act per token, so they are replicated over TP; under sequence
+parallelism each TP rank sees other tokens, so they are tagged ``sequence_parallel`` and megatron's
+``finalize_model_grads`` sums their gradients over the TP group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+
+def expand_streams(hidden: Tensor, hc_mult: int) -> Tensor:
+    """``[..., h]`` -> ``[..., N, h]``: ``N`` copies of the embeddings (contiguous)."""
+    return hidden.unsqueeze(-2).expand(*hidden.shape[:-1], hc_mult, hidden.shape[-1]).contiguous()
+
+
+def collapse_streams(streams: Tensor) -> Tensor:
+    """``[..., N, h]`` -> ``[..., h]``: the unweighted mean of the streams."""
+    return streams.mean(dim=-2)
+
+
+def mix_streams(post: Tensor, comb: Tensor, block_output: Tensor, streams: Tensor) -> Tensor:
+    """The streams after a block: ``post (x) block_output + comb^T @ streams`` in the streams'
+    dtype; ``post [..., N]``, ``comb [..., N, N]``, ``block_output [..., h]``,
+    ``streams [..., N, h]`` -> ``[..., N, h]``."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams)
+
+
+def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
+    """Columns normalised, then ``iters - 1`` row and column normalisations of ``[..., N, N]``
+    (each a division by ``sum + eps``)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(MegatronModule):
+    """One block's mHC weights (module docstring): ``forward(streams [..., N, h])`` ->
+    ``(post [..., N] fp32, comb [..., N, N] fp32, block input [..., h] in the streams' dtype)``.
+
+    ``hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` are transformers' names; the stream norm's
+    epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``).
+    """
+
+    def __init__(self, config: TransformerConfig, hc_mult: int, hc_sinkhorn_iters: int,
+                 hc_eps: float, **_: Any) -> None:
+        super().__init__(config=config)
+        if hc_mult < 1:
+            raise ValueError(f"hc_mult={hc_mult} is not allowed; allowed: >= 1")
+        if hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters={hc_sinkhorn_iters} is not allowed; allowed: >= 1")
+        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps = hc_mult, hc_sinkhorn_iters, hc_eps
+        self.norm_eps = config.layernorm_epsilon
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        width = (2 + hc_mult) * hc_mult
+        self.fn = torch.nn.Parameter(torch.empty(width, hc_mult * config.hidden_size,
+                                                 dtype=config.params_dtype, device=device))
+        self.base = torch.nn.Parameter(torch.zeros(width, dtype=torch.float32, device=device))
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32, device=device))
+        for param in (self.fn, self.base, self.scale):
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        if config.perform_initialization:  # transformers' init: fn N(0, 0.02), base 0, scale 1
+            with torch.no_grad():
+                self.fn.normal_(0.0, 0.02)
+
+    def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        n = self.hc_mult
+        flat = streams.flatten(-2).float()
+        flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
+        z = torch.nn.functional.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = self.scale.unbind(0)
+        comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+        comb = torch.softmax(comb_w * comb_scale + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = sinkhorn(comb, self.hc_sinkhorn_iters, self.hc_eps)
+        block_input = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return post, comb, block_input

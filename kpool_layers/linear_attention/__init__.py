@@ -1,0 +1,1 @@
+"""Linear-attention layers: KDA (Kimi delta attention), its delta-rule backends."""

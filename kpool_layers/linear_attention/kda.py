@@ -1,0 +1,330 @@
+"""KDA (Kimi delta attention) for the ``self_attention`` slot of megatron-core's ``TransformerLayer``:
+GLM-5.3's linear-attention layer (transformers' ``Glm5NextTextLinearAttention``, same math).
+
+Per layer (``H`` heads of size ``D``, ``H_l = H / TP`` on this rank, ``K_c`` conv taps)::
+
+    q, k, v = W_q x, W_k x, W_v x                                [s, b, H_l * D] each
+    q, k, v = SiLU(causal depthwise conv_{K_c}(.))               per channel, fp32, per document
+    f       = W_fb (W_fa x) + dt_bias                            fp32 [s, b, H_l, D]  (rank D)
+    g       = lower_bound * sigmoid(exp(A_log) f)                log decay in (lower_bound, 0)
+              (lower_bound None: -exp(A_log) softplus(f))
+    beta    = sigmoid(W_beta x)                                  [s, b, H_l]
+    o       = delta_rule(q, k, v, g, beta, scale = D^-1/2)       [b, s, H_l, D]  (backends.py)
+    o       = RMSNorm_D(o) * w_norm * sigmoid(W_gb (W_ga x))     fp32 per head, then model dtype
+    out     = W_o o                                              [s, b, h]
+
+The delta rule (L2-normalised q/k, per-channel decay) is
+:mod:`kpool_layers.linear_attention.delta_rule`'s; its kernel is picked by
+``config.linear_attention_kernels`` (resolved ``torch`` or ``fla``, see ``backends.py``). The conv
+weight, ``dt_bias`` and ``A_log`` are float32 parameters (transformers keeps them in float32 too).
+
+Tensor parallelism splits the heads: ``W_q``, ``W_k``, ``W_v``, ``W_beta``, ``W_fb`` and ``W_gb`` are
+column-parallel (each rank holds its heads' rows, contiguous ``[h * D, (h + 1) * D)`` blocks of
+``H * D``), so are the conv weights (``[H_l * D, K_c]`` per q/k/v), ``dt_bias`` ``[H_l * D]`` and
+``A_log`` ``[H_l]``; ``W_o`` is row-parallel. The rank-``D`` down projections ``W_fa`` / ``W_ga`` are
+column-parallel linears whose outputs are gathered over TP (scattered back to the sequence slice
+under SP), so every rank gets the full ``D`` channels and the up projection's input all-reduce sums
+their gradient over all heads. The output norm's weight ``[D]`` is shared by all heads: it enters
+through ``copy_to_tensor_model_parallel_region``, so its gradient is summed over the TP ranks.
+Under sequence parallelism the column-parallel linears gather the sequence (the conv and the
+recurrence need all of it) and ``W_o`` reduce-scatters it.
+
+Packed THD (``packed_seq_params.qkv_format == 'thd'``, ``b == 1``): the conv and the recurrence
+restart at every boundary of ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when set); tokens past its
+last entry form one more document. ``attention_mask`` is not read. Context parallelism is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import get_pg_size
+from torch import Tensor
+
+from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.linear_attention.backends import DeltaRule, delta_rule
+
+
+@dataclass
+class KDASubmodules:
+    """Builders of :class:`KimiDeltaAttention`'s linears (ModuleSpec or class each): megatron's
+    ColumnParallelLinear constructor arguments for all but ``linear_proj`` (RowParallelLinear's)."""
+
+    linear_q: ModuleSpec | type
+    linear_k: ModuleSpec | type
+    linear_v: ModuleSpec | type
+    linear_f_a: ModuleSpec | type
+    linear_f_b: ModuleSpec | type
+    linear_beta: ModuleSpec | type
+    linear_g_a: ModuleSpec | type
+    linear_g_b: ModuleSpec | type
+    linear_proj: ModuleSpec | type
+
+
+def kda_spec(config: GLMTransformerConfig) -> ModuleSpec:
+    """:class:`KimiDeltaAttention` on megatron's local parallel linears with the delta rule of
+    ``config.linear_attention_kernels``."""
+    col = ColumnParallelLinear
+    return ModuleSpec(
+        module=KimiDeltaAttention,
+        submodules=KDASubmodules(linear_q=col, linear_k=col, linear_v=col, linear_f_a=col,
+                                 linear_f_b=col, linear_beta=col, linear_g_a=col, linear_g_b=col,
+                                 linear_proj=RowParallelLinear),
+        params={"kernel": delta_rule(config.linear_attention_kernels)},
+    )
+
+
+def _check_config(config: GLMTransformerConfig, tp: int, cp: int) -> None:
+    if config.linear_num_key_heads != config.linear_num_value_heads:
+        raise ValueError(f"KDA has one head count: linear_num_key_heads="
+                         f"{config.linear_num_key_heads} must equal linear_num_value_heads="
+                         f"{config.linear_num_value_heads}")
+    if config.linear_key_head_dim != config.linear_value_head_dim:
+        raise ValueError(f"KDA has one head size: linear_key_head_dim={config.linear_key_head_dim}"
+                         f" must equal linear_value_head_dim={config.linear_value_head_dim}")
+    if config.linear_num_key_heads % tp or config.linear_key_head_dim % tp:
+        raise ValueError(f"KDA splits heads and the rank-D gate projections over TP: "
+                         f"linear_num_key_heads={config.linear_num_key_heads} and "
+                         f"linear_key_head_dim={config.linear_key_head_dim} must be multiples of "
+                         f"tensor_model_parallel_size={tp}")
+    if cp > 1:
+        raise ValueError(f"KDA does not support context_parallel_size={cp}; allowed: 1")
+    if config.add_bias_linear:
+        raise ValueError("KDA has no linear biases; set add_bias_linear=False")
+
+
+def _tp_parameter(shape: tuple[int, ...], device: Any) -> torch.nn.Parameter:
+    """A float32 parameter split over TP along dim 0 (megatron's attributes for its optimizer)."""
+    param = torch.nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device))
+    param.tensor_model_parallel = True  # type: ignore[attr-defined]
+    param.partition_dim = 0  # type: ignore[attr-defined]
+    param.partition_stride = 1  # type: ignore[attr-defined]
+    return param
+
+
+def document_index(seq_len: int, cu_seqlens: Optional[Tensor], device: torch.device
+                   ) -> tuple[Tensor, Optional[Tensor]]:
+    """Each token's position inside its document (int64 ``[seq_len]``) and the document bounds
+    ``[0, ..., seq_len]`` (int32, tokens past ``cu_seqlens[-1]`` one more document; None without
+    ``cu_seqlens``)."""
+    tokens = torch.arange(seq_len, device=device, dtype=torch.int64)
+    if cu_seqlens is None:
+        return tokens, None
+    bounds = cu_seqlens.to(device=device, dtype=torch.int64)
+    if int(bounds[-1]) > seq_len:
+        raise ValueError(f"cu_seqlens ends at {int(bounds[-1])}, past the sequence ({seq_len})")
+    if int(bounds[-1]) < seq_len:
+        bounds = torch.cat([bounds, bounds.new_tensor([seq_len])])
+    doc = torch.searchsorted(bounds, tokens, right=True) - 1
+    return tokens - bounds[doc], bounds.to(torch.int32)
+
+
+def causal_depthwise_conv(x: Tensor, weight: Tensor, positions: Tensor) -> Tensor:
+    """``SiLU(sum_j weight[:, K-1-j] * x[t - j])`` over taps ``j < K`` inside each document.
+
+    ``x [b, s, C]``, ``weight [C, K]`` (PyTorch's ``conv1d`` layout: the last tap multiplies the
+    current token), ``positions [s]`` (position in the document; taps reaching before it read 0).
+    Computed in ``weight``'s dtype (float32), returned in ``x``'s."""
+    taps = weight.shape[1]
+    xf = x.to(weight.dtype)
+    out = xf * weight[:, taps - 1]
+    for j in range(1, taps):
+        shifted = F.pad(xf, (0, 0, j, 0))[:, : x.shape[1]]
+        inside = (positions >= j).to(weight.dtype)[None, :, None]
+        out = out + shifted * inside * weight[:, taps - 1 - j]
+    return F.silu(out).to(x.dtype)
+
+
+class KimiDeltaAttention(MegatronModule):
+    """KDA; see the module docstring for the math, the TP split and the packed-document rules.
+
+    ``forward(hidden_states [s/TP if SP else s, b, h], ...)`` -> ``(output [same shape], None)``.
+    Built from :func:`kda_spec`; ``kernel`` is the delta rule (``backends.DeltaRule``).
+    ``attn_mask_type``, ``cp_comm_type``, ``pp_layer_offset`` and ``name`` are accepted for
+    ``TransformerLayer``'s call and not used.
+    """
+
+    def __init__(
+        self,
+        config: GLMTransformerConfig,
+        submodules: KDASubmodules,
+        layer_number: int,
+        kernel: DeltaRule,
+        attn_mask_type: Any = None,
+        pg_collection: Optional[ProcessGroupCollection] = None,
+        cp_comm_type: Optional[str] = None,
+        pp_layer_offset: Optional[int] = None,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.kernel = kernel
+        self.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
+            required_pgs=["tp", "cp"])
+        self.tp_group = self.pg_collection.tp
+        tp = get_pg_size(self.tp_group)
+        _check_config(config, tp, get_pg_size(self.pg_collection.cp))
+        self.sequence_parallel = config.sequence_parallel and tp > 1
+        self.head_dim = config.linear_key_head_dim
+        self.local_heads = config.linear_num_key_heads // tp
+        self.lower_bound = config.linear_gate_lower_bound
+        width = config.linear_num_key_heads * self.head_dim
+        local = self.local_heads * self.head_dim
+
+        def linear(spec: ModuleSpec | type, n_in: int, n_out: int, label: str) -> torch.nn.Module:
+            return build_module(spec, n_in, n_out, config=config, init_method=config.init_method,
+                                bias=False, skip_bias_add=False, is_expert=False, gather_output=False,
+                                tp_comm_buffer_name=label, tp_group=self.tp_group)
+
+        h = config.hidden_size
+        self.linear_q = linear(submodules.linear_q, h, width, "kda_q")
+        self.linear_k = linear(submodules.linear_k, h, width, "kda_k")
+        self.linear_v = linear(submodules.linear_v, h, width, "kda_v")
+        self.linear_f_a = linear(submodules.linear_f_a, h, self.head_dim, "kda_f_a")
+        self.linear_f_b = linear(submodules.linear_f_b, self.head_dim, width, "kda_f_b")
+        self.linear_beta = linear(submodules.linear_beta, h, config.linear_num_key_heads, "kda_beta")
+        self.linear_g_a = linear(submodules.linear_g_a, h, self.head_dim, "kda_g_a")
+        self.linear_g_b = linear(submodules.linear_g_b, self.head_dim, width, "kda_g_b")
+        self.linear_proj = build_module(
+            submodules.linear_proj, width, h, config=config,
+            init_method=config.output_layer_init_method, bias=False, input_is_parallel=True,
+            skip_bias_add=True, is_expert=False, tp_comm_buffer_name="kda_proj",
+            tp_group=self.tp_group)
+
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        taps = config.linear_conv_kernel_dim
+        self.conv_q = _tp_parameter((local, taps), device)
+        self.conv_k = _tp_parameter((local, taps), device)
+        self.conv_v = _tp_parameter((local, taps), device)
+        self.dt_bias = _tp_parameter((local,), device)
+        self.A_log = _tp_parameter((self.local_heads,), device)
+        self.out_norm_weight = torch.nn.Parameter(
+            torch.ones(self.head_dim, dtype=config.params_dtype, device=device))
+        self.reset_parameters()
+
+    TP_SHARDED = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
+    """The module's own parameters split over TP along dim 0."""
+
+    def reset_parameters(self) -> None:
+        """transformers' initialisation: conv ``U(-1/sqrt(K_c), 1/sqrt(K_c))`` (PyTorch's
+        ``Conv1d`` default), ``A_log`` 0 with a lower bound (else ``log U(1, 16)``), ``dt_bias``
+        the inverse softplus of ``exp(U(log 1e-3, log 1e-1))``, output norm weight 1."""
+        if not self.config.perform_initialization:
+            return
+        with get_cuda_rng_tracker().fork(), torch.no_grad():
+            bound = 1.0 / math.sqrt(self.conv_q.shape[1])
+            for conv in (self.conv_q, self.conv_k, self.conv_v):
+                conv.uniform_(-bound, bound)
+            if self.lower_bound is not None:
+                self.A_log.zero_()
+            else:
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
+            dt = dt.clamp_min(1e-4)
+            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """megatron's default, with the conv weights, ``dt_bias`` and ``A_log`` sharded over TP."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        own = {name: getattr(self, name) for name in self.TP_SHARDED}
+        sharded.update(make_sharded_tensors_for_checkpoint(
+            own, prefix, {name: 0 for name in self.TP_SHARDED}, sharded_offsets,
+            tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
+        return sharded
+
+    def _low_rank(self, down: torch.nn.Module, up: torch.nn.Module, x: Tensor) -> Tensor:
+        """``up(down(x))`` with ``down``'s rank-``D`` output gathered over TP (and scattered back
+        to this rank's sequence slice under SP) -> ``[s, b, H_l * D]``."""
+        mid, _ = down(x)
+        if mid.size(-1) != self.head_dim:
+            mid = gather_from_tensor_model_parallel_region(mid, group=self.tp_group)
+            if self.sequence_parallel:
+                mid = scatter_to_sequence_parallel_region(mid, group=self.tp_group)
+        out, _ = up(mid)
+        return out
+
+    def _decay(self, x: Tensor) -> Tensor:
+        """The forget gate's log decay, float32 ``[s, b, H_l, D]``."""
+        f = self._low_rank(self.linear_f_a, self.linear_f_b, x).float() + self.dt_bias
+        f = f.unflatten(-1, (self.local_heads, self.head_dim))
+        rate = self.A_log.exp()[:, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * f)
+        return -rate * F.softplus(f)
+
+    def _gated_norm(self, o: Tensor, gate: Tensor) -> Tensor:
+        """``RMSNorm_D(o) * w * sigmoid(gate)`` in float32, per head; ``o, gate [..., D]``."""
+        weight = copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group)
+        of = o.float()
+        normed = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.config.layernorm_epsilon)
+        return (normed * weight.float() * torch.sigmoid(gate.float())).to(o.dtype)
+
+    def forward(
+        self,
+        hidden_states: Tensor,
+        attention_mask: Optional[Tensor] = None,
+        key_value_states: Optional[Tensor] = None,
+        inference_context: Any = None,
+        rotary_pos_emb: Any = None,
+        rotary_pos_cos: Optional[Tensor] = None,
+        rotary_pos_sin: Optional[Tensor] = None,
+        rotary_pos_cos_sin: Optional[Tensor] = None,
+        attention_bias: Optional[Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        position_ids: Optional[Tensor] = None,
+        sequence_len_offset: Optional[int] = None,
+        *,
+        inference_params: Any = None,
+    ) -> tuple[Tensor, None]:
+        """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``; only
+        ``packed_seq_params`` (THD) changes the computation, inference and cross-attention inputs
+        are rejected."""
+        unsupported = dict(key_value_states=key_value_states, inference_context=inference_context,
+                           inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                           rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
+                           sequence_len_offset=sequence_len_offset)
+        given = [key for key, value in unsupported.items() if value is not None]
+        if given:
+            raise ValueError(f"KimiDeltaAttention does not support {given}")
+        cu_seqlens = None
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            padded = packed_seq_params.cu_seqlens_q_padded
+            cu_seqlens = padded if padded is not None else packed_seq_params.cu_seqlens_q
+            if hidden_states.size(1) != 1:
+                raise ValueError(f"packed THD needs batch size 1, got {hidden_states.size(1)}")
+
+        heads = (self.local_heads, self.head_dim)
+        q, k, v = (lin(hidden_states)[0] for lin in (self.linear_q, self.linear_k, self.linear_v))
+        s, b = q.shape[:2]  # the full sequence (SP gathered)
+        positions, bounds = document_index(s, cu_seqlens, q.device)
+        q, k, v = (causal_depthwise_conv(t.transpose(0, 1), w, positions).unflatten(-1, heads)
+                   for t, w in ((q, self.conv_q), (k, self.conv_k), (v, self.conv_v)))  # [b, s, H_l, D]
+        g = self._decay(hidden_states).transpose(0, 1)                                 # [b, s, H_l, D]
+        beta = torch.sigmoid(self.linear_beta(hidden_states)[0]).transpose(0, 1)       # [b, s, H_l]
+        o = self.kernel(q, k, v, g, beta, self.head_dim ** -0.5, bounds)               # [b, s, H_l, D]
+        gate = self._low_rank(self.linear_g_a, self.linear_g_b, hidden_states)
+        o = self._gated_norm(o, gate.transpose(0, 1).unflatten(-1, heads))
+        out, _ = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())          # [s_local, b, h]
+        return out, None
