@@ -266,6 +266,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
         _print0(message)
+    if done := resume_lib.nothing_to_train(plan.path, plan.start_step, t.steps):
+        return _already_done(run_dir, overrides, done, plan.start_step)  # before the build
     rollout_data = None  # data=rollout: every record read and validated before the build
     if cfg.data.kind is DataKind.rollout:
         rollout_data = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
@@ -274,6 +276,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     if plan.path is not None:
         loaded, progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
         _print0(f"resumed from {loaded} at step {progress.step}")  # MetricsLogger trims later steps
+        if done := resume_lib.nothing_to_train(loaded, progress.step, t.steps):  # no manifest
+            return _already_done(run_dir, overrides, done, progress.step)
     elif t.load:
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
@@ -377,6 +381,15 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                         f"checkpoint {path} saved; resume with train.resume={path} (or rerun into the "
                         f"same run directory {run_dir} with train.resume=auto)")
     return loss
+
+
+def _already_done(run_dir: Path, overrides: list[str], message: str, step: int) -> float:
+    """End a run whose checkpoint is at or past ``train.steps``: completed, nothing trained,
+    saved or trimmed; returns NaN (no step ran)."""
+    _print0(message)
+    _record(run_dir, RunResult("completed", None, overrides, None, step))
+    _print0(f"completed: 0 steps trained (checkpoint at step {step}), run dir {run_dir}")
+    return math.nan
 
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float | torch.Tensor],
