@@ -53,6 +53,7 @@ from recipes.observe.precision_map import kernel_rows, precision_map, report_pre
 from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.plan.preflight import preflight
 from recipes.launch.rank_agreement import check_ranks_agree
+from recipes.launch.step_watchdog import StepWatchdog
 from recipes.replay.dataset import RolloutDataset
 from recipes.replay.step import RolloutStep, rollout_step
 from recipes.launch.result import RunResult
@@ -112,7 +113,7 @@ def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
         if topo.rank == 0:
             RunResult.failed(str(err), overrides or []).write(run_dir)
         raise
-    distributed.init_process_group(topo)
+    distributed.init_process_group(topo, cfg.train.collective_timeout_s)
     try:
         check_ranks_agree(plain(cfg))  # before any collective that depends on the config
         if cfg.train.dry_run:
@@ -295,6 +296,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     rollout = rollout_step(cfg, trainer.model)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
+    watchdog = StepWatchdog(t.collective_timeout_s, dist.get_rank())
     fwd_bwd = ForwardBackward(t)
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
@@ -305,6 +307,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     train_start, first_step = time.perf_counter(), progress.step
     try:
         while progress.step < t.steps:
+            watchdog.begin(progress.step + 1)
             start = time.perf_counter()
             trainer.model.zero_grad_buffer()
             trainer.optimizer.zero_grad()
@@ -356,6 +359,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
                                             trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
                 _print0(f"saved checkpoint {path}")
+            watchdog.end()
             if stop:
                 status = "preempted"
                 _print0(f"{guard.signal_name} received: checkpoint saved at step {progress.step}")
@@ -366,7 +370,11 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
                                         trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
             _print0(f"saved checkpoint {path}")
+    except Exception as err:
+        watchdog.check(err)  # a step that ran past train.collective_timeout_s: CollectiveTimeout
+        raise
     finally:
+        watchdog.close()
         fwd_bwd.close()
         guard.close()
         logger.close()
