@@ -53,6 +53,7 @@ from recipes.observe.precision_map import kernel_rows, precision_map, report_pre
 from recipes.launch.preemption import Preempted, PreemptionGuard, Requeued
 from recipes.plan.preflight import preflight
 from recipes.launch.rank_agreement import check_ranks_agree
+from recipes.launch.step_watchdog import StepWatchdog
 from recipes.replay.dataset import RolloutDataset
 from recipes.replay.step import RolloutStep, rollout_step
 from recipes.launch.result import RunResult
@@ -112,7 +113,7 @@ def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
         if topo.rank == 0:
             RunResult.failed(str(err), overrides or []).write(run_dir)
         raise
-    distributed.init_process_group(topo)
+    distributed.init_process_group(topo, cfg.train.collective_timeout_s)
     try:
         check_ranks_agree(plain(cfg))  # before any collective that depends on the config
         if cfg.train.dry_run:
@@ -266,6 +267,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     plan = resume_lib.plan_resume(cfg, ckpt_root)  # before the build
     for message in plan.messages + (resume_lib.check_load(cfg) if t.load and plan.path is None else []):
         _print0(message)
+    if done := resume_lib.nothing_to_train(plan.path, plan.start_step, t.steps):
+        return _already_done(run_dir, overrides, done, plan.start_step)  # before the build
     rollout_data = None  # data=rollout: every record read and validated before the build
     if cfg.data.kind is DataKind.rollout:
         rollout_data = RolloutDataset(cfg, min_rows=t.steps * t.global_batch_size)
@@ -274,6 +277,8 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     if plan.path is not None:
         loaded, progress = resume_lib.resume(plan, trainer.model, trainer.optimizer, trainer.scheduler, _print0)
         _print0(f"resumed from {loaded} at step {progress.step}")  # MetricsLogger trims later steps
+        if done := resume_lib.nothing_to_train(loaded, progress.step, t.steps):  # no manifest
+            return _already_done(run_dir, overrides, done, progress.step)
     elif t.load:
         ckpt.load_weights(t.load, trainer.model)
         _print0(f"loaded weights from {t.load}")
@@ -291,6 +296,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     rollout = rollout_step(cfg, trainer.model)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
+    watchdog = StepWatchdog(t.collective_timeout_s, dist.get_rank())
     fwd_bwd = ForwardBackward(t)
     tokens_per_step = t.global_batch_size * cfg.data.seq_length
     flops = flop_model(cfg)
@@ -301,6 +307,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     train_start, first_step = time.perf_counter(), progress.step
     try:
         while progress.step < t.steps:
+            watchdog.begin(progress.step + 1)
             start = time.perf_counter()
             trainer.model.zero_grad_buffer()
             trainer.optimizer.zero_grad()
@@ -352,6 +359,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
                                             trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
                 _print0(f"saved checkpoint {path}")
+            watchdog.end()
             if stop:
                 status = "preempted"
                 _print0(f"{guard.signal_name} received: checkpoint saved at step {progress.step}")
@@ -362,7 +370,11 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             path = ckpt.save_checkpoint(ckpt_root, trainer.model, trainer.optimizer,
                                         trainer.scheduler, progress, t.keep_checkpoints, plan.owner)
             _print0(f"saved checkpoint {path}")
+    except Exception as err:
+        watchdog.check(err)  # a step that ran past train.collective_timeout_s: CollectiveTimeout
+        raise
     finally:
+        watchdog.close()
         fwd_bwd.close()
         guard.close()
         logger.close()
@@ -377,6 +389,15 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                         f"checkpoint {path} saved; resume with train.resume={path} (or rerun into the "
                         f"same run directory {run_dir} with train.resume=auto)")
     return loss
+
+
+def _already_done(run_dir: Path, overrides: list[str], message: str, step: int) -> float:
+    """End a run whose checkpoint is at or past ``train.steps``: completed, nothing trained,
+    saved or trimmed; returns NaN (no step ran)."""
+    _print0(message)
+    _record(run_dir, RunResult("completed", None, overrides, None, step))
+    _print0(f"completed: 0 steps trained (checkpoint at step {step}), run dir {run_dir}")
+    return math.nan
 
 
 def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional[float | torch.Tensor],

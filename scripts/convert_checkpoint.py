@@ -57,7 +57,8 @@ from recipes.hf.io import (  # noqa: E402
 )
 from recipes.hf.mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
 from recipes.checkpoint.manifest import code_version, verify, write_manifest  # noqa: E402
-from recipes.hf.convert_checks import check_export_paths, check_single_checkpoint, one_line  # noqa: E402
+from recipes.hf.convert_checks import (check_export_paths, check_output_dir,  # noqa: E402
+                                       check_single_checkpoint, one_line)
 from recipes.config.schema import Config, ModelConfig  # noqa: E402
 
 MODEL_YAML = "model.yaml"
@@ -158,6 +159,7 @@ def _record_source(directory: Path, direction: str, source: str | os.PathLike, m
 def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | None = None,
               force: bool = False) -> DictConfig:
     """HF checkpoint directory -> megatron dist checkpoint ``out``; returns the ``model`` group."""
+    check_output_dir(out, "--out")
     with atomic_output_dir(out, force) as tmp:
         return _import_into(hf_dir, tmp, model)
 
@@ -247,6 +249,7 @@ def export_hf(ckpt: str | os.PathLike, hf_out: str | os.PathLike, model: str | N
     group (:func:`_hf_group`) in memory at a time."""
     check_export_paths(ckpt, hf_out)
     check_single_checkpoint(ckpt)
+    check_output_dir(hf_out, "--hf-out")
     with atomic_output_dir(hf_out, force) as tmp:
         _export_into(ckpt, tmp, model, fp8, shard_bytes)
 

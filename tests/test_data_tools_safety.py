@@ -75,6 +75,28 @@ def test_one_line_errors_name_the_file() -> None:
     assert one_line(wrapped) == "error: RuntimeError: ValueError: shard /c/0.distcp truncated"
 
 
+@pytest.mark.parametrize("command,flag", [("import", "--out"), ("export", "--hf-out")])
+def test_an_unwritable_output_is_named_by_its_flag_not_the_temp_dir(command: str, flag: str,
+                                                                     tmp_path: Path) -> None:
+    """The old bug: an output below a file failed with a traceback naming ``.<name>.tmp-<pid>``,
+    a directory the user never gave."""
+    from scripts.convert_checkpoint import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    out = blocker / "converted"
+    ckpt = tmp_path / "iter_0000001"
+    ckpt.mkdir()
+    args = (["import", "--hf", str(tmp_path), "--out", str(out)] if command == "import"
+            else ["export", "--ckpt", str(ckpt), "--hf-out", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    message = str(exited.value.code)
+    assert message == (f"error: ConversionInputError: {flag} {out}: cannot create it, {blocker} is a "
+                       f"file, not a directory; choose another {flag}")
+    assert ".tmp" not in message and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("content,line", [
     (b'{"step": 1, "loss": 2.0}\n\x00\x01\xffbinary\n{"step": 2}\n', 2),
     (b'{"step": 1}\nnot json\n{"step": 2}\n', 2),

@@ -67,7 +67,8 @@ def _forward(model: torch.nn.Module, seed: int = 0, batch: int = 2, seq: int = 6
 
 @pytest.mark.parametrize("profile", ["bf16", "fp8", "serving_match"])
 def test_every_linear_routed_as_the_profile_says(single_rank_parallel_state, profile):
-    cfg, model = _build([f"precision={profile}", "precision.backend=emulate"])
+    fp8 = [] if profile == "bf16" else ["precision.backend=emulate"]  # an FP8-only key
+    cfg, model = _build([f"precision={profile}", *fp8])
     rows = precision_map(model)
     modules = dict(model.named_modules())
     assert {r["role"] for r in rows} == ROLES  # every role present, no linear without a role

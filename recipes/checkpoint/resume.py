@@ -11,6 +11,10 @@
   checkpoints, unless ``train.overwrite=true``; even then no planned save may land on another
   run's checkpoint (recipes.checkpoint.lineage): such a run is refused before it trains.
 * The saved config must agree with the current one in every shape-relevant key.
+* A checkpoint already at or past ``train.steps`` leaves nothing to train: the run ends as
+  completed (exit 0, as megatron's loop does for ``iteration >= train_iters``), saves and trims
+  nothing, and says which step the checkpoint is at and that ``train.steps`` must be raised to train
+  further (:func:`nothing_to_train`).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class ResumePlan:
     explicit: bool = False
     fallbacks: list[Path] = field(default_factory=list)  # auto: older ones, newest first
     messages: list[str] = field(default_factory=list)
+    start_step: int = 0  # the step ``path``'s manifest records (0 without one)
 
 
 def checkpoint_root(cfg: DictConfig, run_dir: Path) -> Path:
@@ -98,7 +103,8 @@ def _check_config(path: Path, manifest: Optional[dict[str, Any]], current: dict[
     now_steps = (current.get("train") or {}).get("steps")
     if resume:
         messages += schedule_notes(manifest["config"], current)
-    if resume and saved_steps is not None and saved_steps != now_steps:
+    more_to_train = now_steps is None or int(manifest.get("step", 0)) < now_steps
+    if resume and saved_steps is not None and saved_steps != now_steps and more_to_train:
         messages.append(f"train.steps changed {saved_steps} -> {now_steps}: the LR schedule is "
                         f"re-planned (warmup and decay over {now_steps} steps) from the saved step")
 
@@ -165,7 +171,18 @@ def plan_resume(cfg: Config, root: Path) -> ResumePlan:
     lineage = (manifest or {}).get("lineage") or uuid.uuid4().hex
     start = int((manifest or {}).get("step", 0)) if path is not None else 0
     check_planned_saves(root, [ckpt.checkpoint_name(s) for s in planned_steps(t, start)], lineage)
-    return ResumePlan(root, path, ckpt.Owner(lineage, current), explicit, fallbacks, messages)
+    return ResumePlan(root, path, ckpt.Owner(lineage, current), explicit, fallbacks, messages, start)
+
+
+def nothing_to_train(path: Optional[Path], step: int, steps: int) -> Optional[str]:
+    """The console line for a resume from ``path`` at ``step`` when that is at or past
+    ``steps`` (``train.steps``, the total the run ends at), else ``None``."""
+    if path is None or step < steps:
+        return None
+    where = "is at" if step == steps else "is past"
+    return (f"nothing to train: checkpoint {path} is at step {step} >= train.steps={steps} (the "
+            f"run {where} its last step). To train further raise train.steps, the total step "
+            f"count, e.g. train.steps={step + steps} for {steps} more steps")
 
 
 def check_load(cfg: Config) -> list[str]:

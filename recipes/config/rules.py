@@ -17,6 +17,7 @@ from kpool_layers import model_facts
 from kpool_layers.moe.grouped_gemm import FP8_RECIPES
 from kpool_layers.precision.policy import WeightsProjDtype, available_backends
 from recipes.config import recompute
+from recipes.config.fp8_only import check_fp8_only_keys
 from recipes.config.keys import check_config_keys
 from recipes.config.schema import (ConfigError, CudaGraphImpl, DataKind, Dispatcher, DriftReference, Range,
                                    numeric_fields)
@@ -268,9 +269,11 @@ def _validate_cuda_graph(cfg: DictConfig) -> None:
 
 
 def _validate_precision(cfg: DictConfig) -> None:
-    """``precision.*`` rules: backend available here, FP8 layer shapes, serving-quantized index
+    """``precision.*`` rules: FP8-only keys only with FP8, backend available here, FP8 layer shapes, serving-quantized index
     inputs only for power-of-two indexer heads <= 128, drift settings."""
     pr, m = cfg.precision, cfg.model
+    for err in check_fp8_only_keys(pr):  # e.g. precision=bf16 precision.recipe=tensorwise
+        _fail(err)
     backend = pr.backend.value
     if pr.fp8:
         if not cfg.train.dry_run:  # a dry run plans for another machine

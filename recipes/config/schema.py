@@ -319,6 +319,7 @@ class TrainConfig:
     overwrite: bool = False  # a fresh run may write into a save dir holding other checkpoints
     save_in_system_dir: bool = False  # allow checkpoints in / or a system directory (recipes/plan/preflight.py)
     nonfinite_skip: int = num(0, 0)  # steps with NaN/inf loss or grads skipped before the run stops
+    collective_timeout_s: float = num(600.0, 0.0, open_lo=True)  # seconds a collective waits for the other ranks, then the step fails naming itself
     # The forward-backward of all micro-batches replayed as one CUDA graph (recipes/train/cuda_graph.py).
     cuda_graph_impl: CudaGraphImpl = CudaGraphImpl.none
     cuda_graph_warmup_steps: int = num(2, 1)  # eager steps before the capture

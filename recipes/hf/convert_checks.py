@@ -5,6 +5,9 @@
   read.
 * ``--ckpt`` must be one checkpoint, not a run directory or a checkpoint root (the error names the
   checkpoint to pass instead, the one ``latest`` names when there is one).
+* An output directory (``--out``, ``--hf-out``) must be creatable: the nearest existing directory
+  above it is writable (the conversion writes a temporary directory next to it first); the error
+  names the flag and the path given, not the temporary directory.
 * :func:`one_line` turns any error of a conversion into one line naming its file.
 """
 
@@ -46,6 +49,20 @@ def check_single_checkpoint(ckpt: str | os.PathLike) -> None:
         kind = "a run directory" if root != path else "a checkpoint root"
         raise ConversionInputError(f"--ckpt {ckpt} is {kind}, not one checkpoint: pass one of its "
                                    f"checkpoints, e.g. --ckpt {pick}")
+
+
+def check_output_dir(target: str | os.PathLike, flag: str) -> None:
+    """Raise :class:`ConversionInputError` naming ``flag`` and ``target`` when ``target`` cannot be
+    written: the nearest existing path above it is a file, or a directory this user cannot write."""
+    above = Path(target).absolute().parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise ConversionInputError(f"{flag} {target}: cannot create it, {above} is a file, not a "
+                                   f"directory; choose another {flag}")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConversionInputError(f"{flag} {target}: cannot create it, {above} is not writable by "
+                                   f"this user; choose another {flag}")
 
 
 def one_line(err: BaseException) -> str:

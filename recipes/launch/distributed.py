@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kpool_layers.compat import cpu as _cpu
+from recipes.launch.step_watchdog import DEFAULT_TIMEOUT_S
 
 if TYPE_CHECKING:
     from recipes.config.schema import ParallelismConfig
@@ -88,8 +89,9 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(topo: Topology) -> None:
-    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and bind this rank to its GPU."""
+def init_process_group(topo: Topology, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Start torch.distributed (NCCL on GPUs, gloo on CPU) and bind this rank to its GPU;
+    ``timeout_s`` (``train.collective_timeout_s``) bounds every collective's wait for the others."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -105,7 +107,7 @@ def init_process_group(topo: Topology) -> None:
         backend = "gloo"
     try:
         dist.init_process_group(
-            backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(minutes=10)
+            backend, rank=topo.rank, world_size=topo.world_size, timeout=_dt.timedelta(seconds=timeout_s)
         )
     except RuntimeError as err:  # torch's DistNetworkError / DistStoreError
         if "address already in use" not in str(err).lower():
