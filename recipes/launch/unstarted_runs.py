@@ -4,7 +4,8 @@ Otherwise the rerun of the same command would find the directory, see no complet
 announce that it resumes "the last unfinished run" of a run that never started
 (:mod:`recipes.launch.run_dir`). Only single runs are cleaned (a sweep lists its failed jobs from their
 ``result.json``), only by the global rank 0, and only when the directory holds nothing but what a
-launch writes before step 1: Hydra's ``.hydra/``, the rank log files and ``result.json``. A
+launch writes before step 1: Hydra's ``.hydra/``, the rank log files, ``result.json`` and the
+owner lock (:mod:`recipes.launch.run_owner`, released before the directory is removed). A
 directory with anything else (metrics, checkpoints of an earlier launch) is kept.
 """
 
@@ -17,8 +18,9 @@ from typing import Iterator
 
 from recipes.launch.console import env_rank
 from recipes.launch.result import RESULT_FILE
+from recipes.launch.run_owner import LOCK_FILE
 
-_LAUNCH_FILES = (".hydra", RESULT_FILE)
+_LAUNCH_FILES = (".hydra", RESULT_FILE, LOCK_FILE)
 
 
 def _only_launch_files(run_dir: Path) -> bool:
