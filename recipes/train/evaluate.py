@@ -24,8 +24,8 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from recipes.config.schema import Config
+from recipes.observe.metrics import VAL_LOSS as KEY
 
-KEY = "val/loss"
 PPL_KEY = "val/ppl"
 
 ForwardStep = Callable[[Iterator[dict], torch.nn.Module], tuple[torch.Tensor, Callable]]
