@@ -1,0 +1,103 @@
+"""The validation loss (``train.eval_interval`` / ``train.eval_iters``, recipes/train/evaluate.py):
+``val/loss`` on the expected steps of ``metrics.jsonl``, equal to a forward over the same
+validation batches done by hand, without changing the training trajectory; config errors."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import default_collate
+
+from recipes.config.rules import validate
+from recipes.config.schema import ConfigError
+from recipes.config.typed import to_config
+from tests.test_config import _compose
+from tests.train_runner import metrics, run_train
+
+FAST = ["model=glm5_tiny", "precision=fp32", "data.seq_length=32", "logging.mode=disabled",
+        "train.lr_warmup_steps=0", "precision.drift.interval=0", "train.save_final=false",
+        "train.steps=5"]
+
+
+def test_val_loss_on_the_eval_steps_and_the_same_training(tmp_path: Path) -> None:
+    """Every 2 steps and after the last (steps 2, 4, 5) a finite ``val/loss`` (and its ``val/ppl``)
+    in that step's record, one record per step as without eval; the training losses bit-equal to
+    a run with eval off (the evaluation reads its own batches, in eval mode without autograd)."""
+    out = run_train(tmp_path, "eval", FAST + ["train.eval_interval=2", "train.eval_iters=2"])
+    run_train(tmp_path, "plain", FAST)
+    rows, plain = metrics(tmp_path / "eval"), metrics(tmp_path / "plain")
+    assert [r["step"] for r in rows] == [r["step"] for r in plain] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "val/loss" in r] == [2, 4, 5]
+    assert not any("val/loss" in r for r in plain)
+    for r in rows:
+        if "val/loss" in r:
+            assert math.isfinite(r["val/loss"]) and r["val/ppl"] == math.exp(r["val/loss"])
+    assert [r["loss"] for r in rows] == [r["loss"] for r in plain]
+    assert [r["grad_norm"] for r in rows] == [r["grad_norm"] for r in plain]
+    assert out.stdout.count("val_loss ") == 3
+
+
+def test_val_loss_equals_a_forward_by_hand(single_rank_parallel_state) -> None:
+    """The validator's loss of glm5_tiny (FP32, CPU) over 3 global batches of 4 samples equals the
+    token mean computed here from the model's per-token losses over the same validation samples
+    (the dataset's first 12, in order: one data-parallel rank), exactly: both run the same ops
+    on the same values in the same order (each micro batch's FP32 masked sum, then FP64 sums over
+    micro batches), deterministic on a CPU. The samples are not the training split's."""
+    from recipes.config.megatron import to_transformer_config
+    from recipes.loop import _validator, forward_step
+    from recipes.train import data as data_lib
+    from recipes.train.model import build_gpt_model
+
+    cfg = to_config(_compose(FAST + ["train.eval_interval=1", "train.eval_iters=3",
+                                     "train.micro_batch_size=2", "train.global_batch_size=4",
+                                     "train.cross_entropy_fusion=false"]))
+    torch.manual_seed(0)
+    model = build_gpt_model(cfg, to_transformer_config(cfg))
+    tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
+    validator = _validator(cfg, tokenizer, num_microbatches=2)
+    assert validator.num_microbatches == 6 and validator.due(1)
+    device = torch.device("cpu")
+    found = validator.loss(model, partial(forward_step, device, None), device)
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+    kwargs = dict(tokenizer=tokenizer, seq_length=32, num_samples=12, seed=cfg.train.seed)
+    valid = data_lib.build_validation_dataset(cfg.data, **kwargs)
+    train = data_lib.build_train_dataset(cfg.data, **kwargs)
+    assert not torch.equal(torch.as_tensor(valid[0]["tokens"]), torch.as_tensor(train[0]["tokens"]))
+    totals = torch.zeros(2, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for first in range(0, 12, 2):
+            b = default_collate([valid[i] for i in range(first, first + 2)])
+            loss = model(b["tokens"], b["position_ids"], None, labels=b["labels"])
+            mask = b["loss_mask"].reshape(-1).float()
+            totals += torch.stack([(loss.float().reshape(-1) * mask).sum(), mask.sum()]).double()
+    assert totals[1] == 12 * 32
+    assert found == (totals[0] / totals[1]).item()
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (["data=indexed", "data.paths=[data/x_text_document]", "data.tokenizer=tok",
+      "data.split='100,0,0'"], "data.split"),
+    (["data=rollout", "data.rollout_dir=r", "train.micro_batch_size=1"], "train.eval_interval"),
+    (["train.eval_iters=0"], "train.eval_iters"),
+    (["train.eval_interval=-1"], "train.eval_interval"),
+])
+def test_eval_config_errors_name_the_key(overrides: list[str], key: str) -> None:
+    """Eval on data without a validation split, or a count outside its range: a ConfigError
+    naming the key before anything is built."""
+    cfg = _compose(["train.eval_interval=2", *overrides])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 1)
+    assert err.value.key == key
+
+
+def test_indexed_split_with_a_validation_part_passes_and_eval_off_needs_none() -> None:
+    """``969,30,1`` with eval on, and ``100,0,0`` with eval off, are valid."""
+    indexed = ["data=indexed", "data.paths=[data/x_text_document]", "data.tokenizer=tok"]
+    validate(_compose([*indexed, "train.eval_interval=2"]), 1)
+    validate(_compose([*indexed, "data.split='100,0,0'"]), 1)
