@@ -101,3 +101,45 @@ def test_indexed_split_with_a_validation_part_passes_and_eval_off_needs_none() -
     indexed = ["data=indexed", "data.paths=[data/x_text_document]", "data.tokenizer=tok"]
     validate(_compose([*indexed, "train.eval_interval=2"]), 1)
     validate(_compose([*indexed, "data.split='100,0,0'"]), 1)
+
+
+def test_resume_with_eval_reproduces_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Eval every 2 steps over 6 steps, resumed from the step-3 checkpoint: steps 4-6 log the same
+    training losses and the same ``val/loss`` (steps 4 and 6) as the uninterrupted run, bit for bit
+    (the evaluation never reads the training iterator, whose position the checkpoint holds)."""
+    common = FAST + ["train.steps=6", "train.eval_interval=2", "train.keep_checkpoints=5"]
+    run_train(tmp_path, "full", common + ["train.save_interval=3"])
+    full = metrics(tmp_path / "full")
+    ckpt3 = tmp_path / "full" / "checkpoints" / "iter_0000003"
+    run_train(tmp_path, "resumed", common + [f"train.resume={ckpt3}"])
+    resumed = metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [4, 5, 6]
+    assert [r["step"] for r in resumed if "val/loss" in r] == [4, 6]
+    for key in ("loss", "val/loss"):
+        assert [r.get(key) for r in resumed] == [r.get(key) for r in full[3:]], key
+
+
+GRAPHED = ["model=glm5_tiny", "model.num_moe_experts=null", "precision=bf16", "model.dsa_kernels=triton",
+           "data.seq_length=256", "train.steps=5", "train.micro_batch_size=1",
+           "train.global_batch_size=2", "train.save_final=false", "logging.mode=disabled",
+           "train.cuda_graph_warmup_steps=1", "precision.drift.interval=0"]
+
+
+@pytest.mark.gpu
+def test_eval_runs_eagerly_beside_the_cuda_graph(tmp_path: Path) -> None:
+    """A dense graphed run (step 1 eager, step 2 captured, later steps replayed) with eval every 2
+    steps: the evaluation runs eagerly between replays; training losses and ``val/loss`` bit-equal
+    to the eager run with eval (dense bf16: no atomics in the step, see tests/test_cuda_graph.py),
+    and training losses bit-equal to the graphed run without eval."""
+    ev = ["train.eval_interval=2"]
+    graphs = ["train.cuda_graph_impl=full_iteration"]
+    out = run_train(tmp_path, "graphed_eval", GRAPHED + graphs + ev, timeout=900).stdout
+    assert "step 2: forward-backward captured as one CUDA graph" in out
+    run_train(tmp_path, "graphed", GRAPHED + graphs, timeout=900)
+    run_train(tmp_path, "eager_eval", GRAPHED + ev, timeout=900)
+    graphed_eval, graphed, eager_eval = (metrics(tmp_path / n) for n in ("graphed_eval", "graphed", "eager_eval"))
+    assert [r["step"] for r in graphed_eval if "val/loss" in r] == [2, 4, 5]
+    assert all(math.isfinite(r["val/loss"]) for r in graphed_eval if "val/loss" in r)
+    for key in ("loss", "val/loss"):
+        assert [r.get(key) for r in graphed_eval] == [r.get(key) for r in eager_eval], key
+    assert [r["loss"] for r in graphed_eval] == [r["loss"] for r in graphed]
