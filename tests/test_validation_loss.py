@@ -143,3 +143,29 @@ def test_eval_runs_eagerly_beside_the_cuda_graph(tmp_path: Path) -> None:
     for key in ("loss", "val/loss"):
         assert [r.get(key) for r in graphed_eval] == [r.get(key) for r in eager_eval], key
     assert [r["loss"] for r in graphed_eval] == [r["loss"] for r in graphed]
+
+
+def test_sweep_summary_lists_the_last_val_loss(tmp_path: Path) -> None:
+    """``final_val_loss``: the job's last ``val/loss`` (not its last step's record, which may
+    hold none), empty for a job that evaluated nothing; a column of summary.md too."""
+    import csv
+    import json
+
+    from recipes.observe.sweep import write_summary
+
+    sweep = tmp_path / "sweep"
+    records = {"a": [{"step": 1, "loss": 3.0, "val/loss": 2.5}, {"step": 2, "loss": 2.0, "val/loss": 2.25},
+                     {"step": 3, "loss": 1.0}],
+               "b": [{"step": 1, "loss": 3.0}]}
+    for num, (x, rows) in enumerate(records.items()):
+        job = sweep / str(num)
+        job.mkdir(parents=True)
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (job / "result.json").write_text(json.dumps({"status": "completed", "error": None,
+                                                     "final_loss": rows[-1]["loss"], "steps": len(rows),
+                                                     "overrides": [f"x={x}"]}))
+    write_summary(sweep)
+    with (sweep / "summary.csv").open() as f:
+        found = {row["label"]: row["final_val_loss"] for row in csv.DictReader(f)}
+    assert found == {"x=a": "2.25", "x=b": ""}
+    assert "final_val_loss" in (sweep / "summary.md").read_text()
