@@ -106,7 +106,7 @@ def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
-        check_indexed_data(cfg.data, cfg.model.vocab_size)
+        check_indexed_data(cfg.data, cfg.model.vocab_size, validation=cfg.train.eval_interval > 0)
         if not cfg.train.dry_run:
             preflight(cfg, ckpt_root)
     except ValueError as err:

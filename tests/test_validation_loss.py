@@ -16,6 +16,7 @@ from recipes.config.rules import validate
 from recipes.config.schema import ConfigError
 from recipes.config.typed import to_config
 from tests.test_config import _compose
+from tests.test_data import corpus  # noqa: F401 - the indexed-corpus fixture
 from tests.train_runner import metrics, run_train
 
 FAST = ["model=glm5_tiny", "precision=fp32", "data.seq_length=32", "logging.mode=disabled",
@@ -169,3 +170,26 @@ def test_sweep_summary_lists_the_last_val_loss(tmp_path: Path) -> None:
         found = {row["label"]: row["final_val_loss"] for row in csv.DictReader(f)}
     assert found == {"x=a": "2.25", "x=b": ""}
     assert "final_val_loss" in (sweep / "summary.md").read_text()
+
+
+def test_indexed_validation_split_is_built_and_an_empty_one_is_named(corpus, tmp_path: Path) -> None:
+    """40 documents: ``9,1,0`` gives the validation split documents 36-39, built as megatron's
+    GPTDataset with the requested samples; ``99,1,0`` gives it none (rounded: documents 40 to 40),
+    which megatron would try to fill forever: a ConfigError naming ``data.split`` first, only when
+    eval is on."""
+    from recipes.config.schema import DataConfig, DataKind
+    from recipes.train.data import build_tokenizer, build_validation_dataset
+    from recipes.train.data_checks import check_indexed_data
+
+    def data(split: str) -> DataConfig:
+        return DataConfig(kind=DataKind.indexed, paths=[corpus.prefixes["alpha"]], split=split,
+                          tokenizer=str(corpus.tok_dir), cache_dir=str(tmp_path / "cache"))
+
+    check_indexed_data(data("9,1,0"), 300, validation=True)
+    valid = build_validation_dataset(data("9,1,0"), tokenizer=build_tokenizer(data("9,1,0"), 300),
+                                     seq_length=16, num_samples=8, seed=1)
+    assert len(valid) >= 8 and torch.as_tensor(valid[0]["tokens"]).shape == (16,)
+    check_indexed_data(data("99,1,0"), 300)  # eval off: no validation split needed
+    with pytest.raises(ConfigError, match=r"validation part gets at least one of the 40 documents") as err:
+        check_indexed_data(data("99,1,0"), 300, validation=True)
+    assert err.value.key == "data.split"
