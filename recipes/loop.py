@@ -39,6 +39,7 @@ from recipes.launch.console import duration
 from recipes.config.short_runs import fit_to_run_length
 from recipes.train.cuda_graph import ForwardBackward, capture_stream
 from recipes.train.data_checks import check_indexed_data
+from recipes.train.evaluate import KEY as VAL_LOSS, Validator
 from recipes.observe.drift import DriftMonitor
 from recipes.plan.dry_run import check_all, dry_run, flop_model
 from recipes.observe.indexer_loss import KEY as INDEXER_LOSS, IndexerLossMonitor
@@ -106,7 +107,7 @@ def _run_owned(composed: DictConfig, run_dir: Path, topo: distributed.Topology,
     try:
         cfg, ckpt_root = _checked(composed, run_dir, topo.world_size)
         tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)  # fails here, not in the model
-        check_indexed_data(cfg.data, cfg.model.vocab_size)
+        check_indexed_data(cfg.data, cfg.model.vocab_size, validation=cfg.train.eval_interval > 0)
         if not cfg.train.dry_run:
             preflight(cfg, ckpt_root)
     except ValueError as err:
@@ -222,6 +223,24 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, 
     return loss_sum, tokens.to(torch.int), report
 
 
+def _validator(cfg: Config, tokenizer: MegatronTokenizerBase, num_microbatches: int) -> Optional[Validator]:
+    """The validation loss of ``train.eval_interval`` (:mod:`recipes.train.evaluate`; None when
+    0): its dataset built now on every rank, its batches read from the start at each evaluation."""
+    d, t = cfg.data, cfg.train
+    if not t.eval_interval:
+        return None
+    dataset = data_lib.build_validation_dataset(
+        d, tokenizer=tokenizer, seq_length=d.seq_length,
+        num_samples=t.eval_iters * t.global_batch_size, seed=t.seed)
+
+    def batches() -> data_lib.ResumableBatchIterator:
+        return data_lib.ResumableBatchIterator(
+            dataset, micro_batch_size=t.micro_batch_size, dp_rank=ps.get_data_parallel_rank(),
+            dp_size=ps.get_data_parallel_world_size(), num_workers=d.num_workers)
+
+    return Validator(cfg, num_microbatches, batches, _reduce_loss)
+
+
 def forward_step(device: torch.device, eod_id: Optional[int], data_iterator: Iterator[dict],
                  model: torch.nn.Module, rollout: Optional[RolloutStep] = None
                  ) -> tuple[torch.Tensor, Callable]:
@@ -294,6 +313,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
     drift = DriftMonitor(cfg.precision.drift, trainer.model, cfg.model.num_layers)
     indexer_loss = IndexerLossMonitor(cfg.model, cfg.precision.drift.interval)
     rollout = rollout_step(cfg, trainer.model)
+    validator = _validator(cfg, tokenizer, trainer.num_microbatches)
     guard = PreemptionGuard()
     nonfinite = NonFiniteGuard(t.nonfinite_skip)
     watchdog = StepWatchdog(t.collective_timeout_s, dist.get_rank())
@@ -340,8 +360,12 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
             progress.step += 1
             progress.consumed_samples += t.global_batch_size
             step_time = time.perf_counter() - start
-            logged = progress.step % t.log_interval == 0 or progress.step == t.steps
+            due_eval = validator is not None and validator.due(progress.step)
+            logged = progress.step % t.log_interval == 0 or progress.step == t.steps or due_eval
             extra = indexer_loss.step_scalars(trainer.model, progress.step, logged)
+            if due_eval:  # after the update: the weights step progress.step left
+                extra.update(validator.scalars(progress.step, trainer.model,
+                                               partial(forward_step, device, eod_id), device))
             if rollout is not None:
                 extra.update(rollout.end(reports, device))
             if logged:
@@ -418,6 +442,8 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
         scalars.update(mfu)
         line += f" | {tflops:.0f} TFLOP/s/GPU{text}"
     line += f" | peak {scalars['peak_mem_gib']:.2f} GiB"
+    if VAL_LOSS in extra:
+        line += f" | val_loss {extra[VAL_LOSS]:.4f}"
     if INDEXER_LOSS in extra:
         line += f" | indexer_loss {extra[INDEXER_LOSS]:.3e}"
     line += timing

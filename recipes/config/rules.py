@@ -11,6 +11,8 @@ from contextvars import ContextVar
 from typing import Any, Optional
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+from megatron.core.datasets.utils import Split
 from omegaconf import DictConfig
 
 from kpool_layers import model_facts
@@ -154,6 +156,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
         _require(d.tokenizer is not None, "data.tokenizer", None,
                  "a local Hugging Face tokenizer path when data.kind=indexed")
     _check_rollout(m, d, p, t)
+    _check_validation(d, t)
     _require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
     _require(t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
              f"0..{t.steps - 1} (less than train.steps)")
@@ -185,6 +188,24 @@ def _check_rollout(m: DictConfig, d: DictConfig, p: DictConfig, t: DictConfig) -
              "0 with data=rollout (records hold no MTP layers)")
     _require(t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
              "1 with data=rollout (each micro batch is one packed THD row)")
+
+
+def _check_validation(d: DictConfig, t: DictConfig) -> None:
+    """``train.eval_interval > 0``: data with a validation split (not rollout records; for indexed
+    data a ``data.split`` whose validation part is not zero)."""
+    if not t.eval_interval:
+        return
+    _require(d.kind != DataKind.rollout, "train.eval_interval", t.eval_interval,
+             "0 with data=rollout (rollout records have no validation split)")
+    if d.kind != DataKind.indexed:
+        return
+    try:
+        valid = parse_and_normalize_split(str(d.split))[Split.valid.value]
+    except (ValueError, AssertionError, ZeroDivisionError):
+        valid = 0.0
+    _require(valid > 0, "data.split", d.split,
+             "train/validation/test weights with a non-zero validation part (e.g. 969,30,1) when "
+             f"train.eval_interval={t.eval_interval} > 0; or train.eval_interval=0")
 
 
 def _check_context_parallel(m: DictConfig, d: DictConfig, cp: int, sp: int) -> None:

@@ -312,6 +312,10 @@ class TrainConfig:
     resume: str = "auto"  # auto | none | <checkpoint dir>
     keep_checkpoints: int = num(2, 1)
     dry_run: bool = False
+    # Validation loss (val/loss) on data.split's validation part every eval_interval steps and
+    # after the last step (recipes/train/evaluate.py); 0 = off.
+    eval_interval: int = num(0, 0)
+    eval_iters: int = num(2, 1)  # global batches per evaluation: the same batches every time
     # MFU's peak per GPU in TFLOP/s; null = the device's spec peak (recipes/plan/peak_flops.py)
     peak_tflops: Optional[float] = num(None, 0.0, open_lo=True)
     deterministic: bool = False  # bit-reproducible steps: refuse non-deterministic kernels

@@ -49,6 +49,10 @@ class FlopModel:
         return 3 * fwd
 
 
+VAL_LOSS = "val/loss"
+"""The validation loss's key (``train.eval_interval``, :mod:`recipes.train.evaluate`);
+``val/ppl`` is its exponential."""
+
 WANDB_SECTIONS = {
     "loss": "train", "grad_norm": "train", "lr": "train",
     "tokens_per_s": "throughput", "step_time_s": "throughput", "tflops_per_gpu": "throughput",

@@ -4,7 +4,8 @@ Each training job writes into its Hydra output dir (``hydra.runtime.output_dir``
 
 * ``metrics.jsonl``: one JSON object per logged step with ``step``, ``loss``, ``grad_norm``,
   ``lr``, ``tokens_per_s``, ``step_time_s`` and ``peak_mem_gib`` (the job's own peak: the loop
-  resets it when a job starts, as the basic launcher runs all jobs in one process);
+  resets it when a job starts, as the basic launcher runs all jobs in one process), and
+  ``val/loss`` on the steps that evaluated (``train.eval_interval``);
 * ``result.json``: ``{"status": "completed" | "failed", "error", "overrides", "final_loss",
   "steps"}``.
 
@@ -42,13 +43,14 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.launch.result import RESULT_FILE, RunResult
+from recipes.observe.metrics import VAL_LOSS
 from recipes.observe.sweep_jobs import read_launched_jobs, record_launched_jobs
 
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 CSV_COLUMNS = (
-    "job", "label", "status", "steps", "final_loss", "min_loss", "tokens_per_s", "step_time_s",
+    "job", "label", "status", "steps", "final_loss", "min_loss", "final_val_loss", "tokens_per_s", "step_time_s",
     "peak_mem_gib", "error", "overrides",
 )
 
@@ -136,7 +138,7 @@ def _median(metrics: list[dict[str, Any]], key: str) -> float | None:
 
 def summary_row(job: Job, sweep_dir: Path) -> dict[str, Any]:
     """One summary row: medians over logged steps of tokens/s and step time, the maximum peak
-    memory and the minimum loss."""
+    memory, the minimum loss and the last ``val/loss`` (empty when the job computed none)."""
     losses = [float(m["loss"]) for m in job.metrics if m.get("loss") is not None]
     peaks = [float(m["peak_mem_gib"]) for m in job.metrics if m.get("peak_mem_gib") is not None]
     return {
@@ -146,6 +148,7 @@ def summary_row(job: Job, sweep_dir: Path) -> dict[str, Any]:
         "steps": job.steps,
         "final_loss": job.final_loss,
         "min_loss": min(losses) if losses else None,
+        "final_val_loss": next((m[VAL_LOSS] for m in reversed(job.metrics) if m.get(VAL_LOSS) is not None), None),
         "tokens_per_s": _median(job.metrics, "tokens_per_s"),
         "step_time_s": _median(job.metrics, "step_time_s"),
         "peak_mem_gib": max(peaks) if peaks else None,

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.utils import compile_helpers, get_blend_from_list
+from megatron.core.datasets.utils import Split, compile_helpers, get_blend_from_list
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
@@ -213,14 +213,36 @@ def build_train_dataset(
 ) -> torch.utils.data.Dataset:
     """The training split of megatron's GPT dataset with at least ``num_samples`` samples.
 
-    ``kind="mock"``: ``MockGPTDataset`` (synthetic documents ending in EOD). ``kind="indexed"``:
-    ``GPTDataset`` over ``paths`` (megatron blend list; weights sample the prefixes in
-    proportion) split by ``split``, of which only the train split is built. Items are dicts of ``tokens``, ``labels``, ``loss_mask``,
-    ``position_ids`` of length ``seq_length`` (no dense ``attention_mask``: with
-    ``reset_attention_mask`` the loop runs each row as packed THD documents, see
-    :func:`packed_seq_params_from_eod`). Call on every rank (collective when torch.distributed is
-    initialized).
+    ``kind="mock"``: ``MockGPTDataset`` (synthetic documents ending in EOD; megatron splits its
+    documents 1:1:1). ``kind="indexed"``: ``GPTDataset`` over ``paths`` (megatron blend list;
+    weights sample the prefixes in proportion) split by ``split``. Only the requested split is
+    built. Items are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of length
+    ``seq_length`` (no dense ``attention_mask``: with ``reset_attention_mask`` the loop runs each
+    row as packed THD documents, see :func:`packed_seq_params_from_eod`). Call on every rank
+    (collective when torch.distributed is initialized).
     """
+    return _build_split(data_cfg, Split.train, tokenizer, seq_length, num_samples, seed)
+
+
+def build_validation_dataset(
+    data_cfg: DataConfig,
+    *,
+    tokenizer: MegatronTokenizerBase,
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+) -> torch.utils.data.Dataset:
+    """The validation split of the same dataset as :func:`build_train_dataset` (documents
+    disjoint from the training split's: the validation part of ``data.split`` for indexed data,
+    the middle third of the mock documents), with at least ``num_samples`` samples; the same
+    items and the same collective contract. An indexed ``split`` without a validation part is a
+    :class:`ConfigError` naming ``data.split`` (:mod:`recipes.config.rules` refuses it first)."""
+    return _build_split(data_cfg, Split.valid, tokenizer, seq_length, num_samples, seed)
+
+
+def _build_split(data_cfg: DataConfig, which: Split, tokenizer: MegatronTokenizerBase,
+                 seq_length: int, num_samples: int, seed: int) -> torch.utils.data.Dataset:
+    """Split ``which`` of megatron's GPT dataset for ``data_cfg`` (see :func:`build_train_dataset`)."""
     indexed = data_cfg.kind == DataKind.indexed
     if indexed and not data_cfg.paths:
         raise ValueError("data.kind='indexed' needs data.paths")
@@ -237,13 +259,15 @@ def build_train_dataset(
         eod_mask_loss=data_cfg.eod_mask_loss,
         create_attention_mask=False,
     )
-    if indexed:  # only the train split: an empty validation/test split would never finish building
-        config.split_matrix = [config.split_matrix[0], None, None]
+    bounds = config.split_matrix[which.value]
+    if bounds is None:
+        raise ConfigError("data.split", data_cfg.split,
+                          f"a split with a non-zero {which.name} part (e.g. 969,30,1)")
+    # only the requested split: an empty other split would never finish building
+    config.split_matrix = [bounds if s is which else None for s in Split]
     dataset_cls = GPTDataset if indexed else MockGPTDataset
-    train, _, _ = BlendedMegatronDatasetBuilder(
-        dataset_cls, [num_samples, 0, 0], lambda: True, config
-    ).build()
-    return train
+    sizes = [num_samples if s is which else 0 for s in Split]
+    return BlendedMegatronDatasetBuilder(dataset_cls, sizes, lambda: True, config).build()[which.value]
 
 
 class _RankBatches(torch.utils.data.Sampler[list[int]]):
