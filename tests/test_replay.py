@@ -156,9 +156,7 @@ def test_packing_rebases_indices_onto_the_row() -> None:
     (["model.dsa_topk_replay=true"], "model.dsa_topk_replay"),
     (["model.moe_router_replay=true"], "model.moe_router_replay"),
     (["data=rollout"], "data.rollout_dir"),
-    (["data=rollout", "data.rollout_dir=x", "parallelism=tp2"], "parallelism.tensor_model_parallel_size"),
-    (["data=rollout", "data.rollout_dir=x", "parallelism=cp2"], "parallelism.context_parallel_size"),
-    (["data=rollout", "data.rollout_dir=x", "parallelism=pp2"], "parallelism.pipeline_model_parallel_size"),
+    (["data=rollout", "data.rollout_dir=x", "model.mtp_num_layers=1"], "model.mtp_num_layers"),
     (["data=rollout", "data.rollout_dir=x", "train.micro_batch_size=2"], "train.micro_batch_size"),
 ])
 def test_replay_config_errors_name_the_key(overrides: list[str], key: str) -> None:
