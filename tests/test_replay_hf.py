@@ -6,6 +6,7 @@ fp32 reordering (the two models compute the same function in other op orders).""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -94,3 +95,60 @@ def test_hf_records_replay_hf_selection_within_fp32_reordering(tmp_path: Path, s
     mask = row["has_rollout_logprobs"][0]
     gap = (-loss[mask] - row["rollout_logprobs"][0][mask]).abs()
     assert 0 < gap.max() <= HF_GAP_TOL, gap.max()  # nonzero: other ops, the records are HF's
+
+
+G5N_TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, v_head_dim=16,
+                qk_nope_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4, index_kpool=4,
+                index_kpool_always_select_tail=True, mlp_layer_types=["dense", "sparse", "sparse"],
+                indexer_types=["full"] * 3, linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=4,
+                max_position_embeddings=256, hc_mult=2, pad_token_id=0)
+"""A tiny GLM-5.3 (glm5_next) text stack: NoPE, KPool 4 with the tail, MoE after the first layer."""
+
+
+@pytest.mark.parametrize("layer_types,topk_layers", [
+    (["indexed_attention"] * 3, [1, 2, 3]),
+    (["indexed_attention", "linear_attention", "indexed_attention"], [1, 3]),
+], ids=["indexed", "with-kda"])
+def test_glm5_next_records_hold_its_kpool_selection(tmp_path: Path, layer_types: list[str],
+                                                    topk_layers: list[int]) -> None:
+    """glm5_next's indexer already returns token indices (its pools expanded, then the tail,
+    ``-1``-padded): the record holds them unchanged, in our width; a KDA layer has no top-k but
+    its routing is recorded. All-indexed records validate against the model config the import
+    derives from the same config.json."""
+    from omegaconf import OmegaConf
+
+    from recipes.config.schema import Config
+    from recipes.hf.config import model_config_from_hf, text_config
+    from recipes.replay.dataset import model_layers
+    from recipes.replay.hf_recorder import record_hf_rollouts
+    from recipes.replay.records import read_record
+
+    cfg = transformers.Glm5NextConfig(
+        text_config={**G5N_TEXT, "layer_types": layer_types},
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64))
+    torch.manual_seed(0)
+    transformers.Glm5NextForConditionalGeneration(cfg).float().save_pretrained(tmp_path / "hf")
+    hf = load_hf_model(tmp_path / "hf")
+    tokens = torch.randint(0, 299, (23,), generator=torch.Generator().manual_seed(3))
+    (path,) = record_hf_rollouts(hf, [tokens], tmp_path / "rollouts")
+    capture = HFCapture(hf)
+    with torch.no_grad():
+        hf(input_ids=tokens[None], use_cache=False)
+    capture.remove()
+    assert sorted(capture.topk) == topk_layers and sorted(capture.experts) == [2, 3]
+    from safetensors.torch import load_file
+
+    stored = load_file(path)
+    assert sorted(k for k in stored if k.startswith("indexer_topk")) == [f"indexer_topk.layer_{n}" for n in topk_layers]
+    for n in topk_layers:
+        assert torch.equal(stored[f"indexer_topk.layer_{n}"], capture.topk[n][0]), n  # [s, 8 + 3]
+    for n in (2, 3):
+        assert torch.equal(stored[f"routed_experts.layer_{n}"].long(), capture.experts[n]), n
+    if "linear_attention" in layer_types:
+        return  # our import derives no model with KDA layers to validate against
+    derived = model_config_from_hf(text_config(json.loads((tmp_path / "hf" / "config.json").read_text())), "g5n")
+    ours = to_config(OmegaConf.merge(OmegaConf.structured(Config), {"model": derived})).model
+    record = read_record(path, model_layers(ours), require_topk=True, require_experts=True)
+    assert sorted(record.topk) == [1, 2, 3] and record.topk[1].shape == (23, 11)

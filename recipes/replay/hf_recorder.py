@@ -15,8 +15,9 @@ record's layer ``L = N + 1``.
   ``-1`` for empty slots, then with ``index_kpool_always_select_tail`` the incomplete pool's
   visible tokens: ``[1, S, index_topk (+ index_kpool - 1)]``, already the record's width and
   convention (indices after the query, which it never returns, would become ``-1`` as above).
-* Layers without their own top-k are not hooked: IndexShare's ``"shared"`` layers (no indexer)
-  and, by ``layer_types``, ``linear_attention`` (KDA) layers, which select nothing.
+* Layers without their own top-k have no ``indexer_topk``: IndexShare's ``"shared"`` layers (no
+  indexer) and, by ``layer_types``, ``linear_attention`` (KDA) layers, which select no keys (their
+  MoE routing is recorded like every MoE layer's).
 * Routers (``*TopkRouter``): their third output, int64 ``[S, num_experts_per_tok]`` expert ids
   (grouped sigmoid top-k with the score-correction bias, unsorted: the record is a set per token).
 * ``logprobs[i]`` = ``log_softmax(logits[i - 1])[tokens[i]]`` in float32, entry 0 is 0.
@@ -108,9 +109,8 @@ class HFCapture:
         self._handles = []
         types = getattr(text_config(model), "layer_types", None)
         for n, layer in enumerate(decoder_layers(model)):
-            if types is not None and types[n] == "linear_attention":
-                continue  # KDA layers select no keys
-            indexer = getattr(layer.self_attn, "indexer", None)
+            kda = types is not None and types[n] == "linear_attention"  # selects no keys
+            indexer = None if kda else getattr(layer.self_attn, "indexer", None)
             if indexer is not None:  # None on IndexShare's shared layers
                 self._handles.append(indexer.register_forward_hook(self._store(self.topk, n + 1, None)))
             gate = getattr(layer.mlp, "gate", None)
