@@ -193,23 +193,6 @@ REPLAY = TINY + ["data=rollout", "train.steps=1", "train.lr_warmup_steps=0", "tr
                  "precision.drift.interval=1", "model.dsa_topk_replay=true", "model.moe_router_replay=true"]
 
 
-def test_own_records_replay_with_zero_logprob_gap(tmp_path: Path) -> None:
-    """Records of the model's own forward (same seed = same weights) replayed: both selections
-    identical (overlaps exactly 1) and the logprob gap exactly 0 in fp32 (the same packed rows
-    through the same ops, so the same bits; the metric is a difference of equal numbers)."""
-    _record(tmp_path / "rollouts")
-    run_train(tmp_path, "replay", REPLAY + [f"data.rollout_dir={tmp_path / 'rollouts'}"])
-    row = next(r for r in metrics(tmp_path / "replay") if "rollout/logprob_abs_diff" in r)
-    assert row["rollout/logprob_abs_diff"] == 0.0 and row["rollout/logprob_abs_diff_max"] == 0.0
-    assert row["rollout/kl"] == 0.0
-    for n in (1, 2, 3, 4):
-        assert row[f"dsa/replay_topk_overlap/layer_{n}"] == 1.0
-    for n in (2, 3, 4):
-        assert row[f"moe/replay_expert_overlap/layer_{n}"] == 1.0
-    result = json.loads((tmp_path / "replay" / "result.json").read_text())
-    assert result["status"] == "completed"
-
-
 def _forward_loss(cfg, model, row: dict) -> torch.Tensor:
     from recipes.replay.step import RolloutStep
 
