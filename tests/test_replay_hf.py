@@ -152,3 +152,17 @@ def test_glm5_next_records_hold_its_kpool_selection(tmp_path: Path, layer_types:
     ours = to_config(OmegaConf.merge(OmegaConf.structured(Config), {"model": derived})).model
     record = read_record(path, model_layers(ours), require_topk=True, require_experts=True)
     assert sorted(record.topk) == [1, 2, 3] and record.topk[1].shape == (23, 11)
+
+
+def test_hf_recorder_refuses_other_models_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from scripts.record_rollout import main
+
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(SystemExit):
+        main(["--hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out")])
+    assert "model_type 'llama' is not supported; allowed: glm_moe_dsa, glm5_next" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out"), "model=glm5_tiny"])
+    assert "--hf takes no overrides" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
