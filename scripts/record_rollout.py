@@ -1,8 +1,9 @@
-"""Write rollout records (docs/replay.md) from our own model, for tests and for users without a
-serving engine at hand.
+"""Write rollout records (docs/replay.md) from our own model or a transformers GLM-5.x model, for
+tests and for users without a serving engine at hand.
 
     python scripts/record_rollout.py --out rollouts/ [--num-samples 8] [--min-length 16]
         [--max-length 64] [--prompt-length 4] [--seed 0] [OVERRIDE ...]
+    python scripts/record_rollout.py --hf HF_DIR --out rollouts/ [sample flags]
 
 ``OVERRIDE``: train.py's Hydra overrides for the model, precision and weights (``model=glm5_tiny
 precision=fp32 data.seq_length=128 train.load=CKPT``). The samples are random token sequences
@@ -11,6 +12,12 @@ tokens after the first ``--prompt-length``. The model is built as ``train.py`` b
 seed, or ``train.load``'s weights) and runs the rows ``data=rollout`` packs from these records,
 so a run of ``train.py data=rollout data.rollout_dir=OUT`` with the same overrides starts from
 the recorded model.
+
+``--hf HF_DIR``: the records come from the transformers ``glm_moe_dsa`` / ``glm5_next`` model in
+``HF_DIR`` (float32, each sample alone), its indexers' top-k and routers' experts captured with
+forward hooks (:mod:`recipes.replay.hf_recorder`, which documents the index mapping); no overrides.
+Train on them with the import of the same checkpoint (``scripts/convert_checkpoint.py import``,
+``train.load``).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from kpool_layers.compat import cpu as _cpu  # noqa: E402
 from recipes.launch import distributed  # noqa: E402
+from recipes.replay.hf_recorder import load_hf_model, record_hf_rollouts, text_config  # noqa: E402
 from recipes.replay.recorder import build_recording_model, record_rollouts  # noqa: E402
 from recipes.config.schema import register_configs  # noqa: E402
 from recipes.config.typed import to_config  # noqa: E402
@@ -52,10 +60,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=64)
     parser.add_argument("--prompt-length", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf", type=Path, default=None,
+                        help="record from this transformers glm_moe_dsa / glm5_next checkpoint directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if not 2 <= args.min_length <= args.max_length:
         parser.error("--min-length must be >= 2 and <= --max-length")
+    if args.hf is not None:
+        if args.overrides:
+            parser.error(f"--hf takes no overrides (the model is the checkpoint's), got {args.overrides}")
+        try:
+            model = load_hf_model(args.hf)
+        except (OSError, ValueError) as err:
+            parser.error(str(err))
+        tokens, masks = _samples(args, text_config(model).vocab_size)
+        files = record_hf_rollouts(model, tokens, args.out, masks)
+        print(f"wrote {len(files)} rollout records to {args.out}")
+        return
     _cpu.install()
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):

@@ -155,7 +155,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
                  "a non-empty list of dataset prefixes (optionally weighted) when data.kind=indexed")
         _require(d.tokenizer is not None, "data.tokenizer", None,
                  "a local Hugging Face tokenizer path when data.kind=indexed")
-    _check_rollout(m, d, p, t)
+    _check_rollout(m, d, t)
     _check_validation(d, t)
     _require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
     _require(t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
@@ -169,7 +169,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
         _fail(ConfigError(key, value, allowed))
 
 
-def _check_rollout(m: DictConfig, d: DictConfig, p: DictConfig, t: DictConfig) -> None:
+def _check_rollout(m: DictConfig, d: DictConfig, t: DictConfig) -> None:
     """Rollout data and the replay switches (docs/replay.md)."""
     rollout = d.kind == DataKind.rollout
     for key in ("dsa_topk_replay", "moe_router_replay"):
@@ -181,11 +181,9 @@ def _check_rollout(m: DictConfig, d: DictConfig, p: DictConfig, t: DictConfig) -
         return
     _require(d.rollout_dir is not None, "data.rollout_dir", None,
              "a directory of rollout records when data.kind=rollout")
-    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
-        _require(p[key] == 1, f"parallelism.{key}", p[key],
-                 "1 with data=rollout (rollout rows are not split over TP/PP/CP ranks yet; DP works)")
     _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
-             "0 with data=rollout (records hold no MTP layers)")
+             "0 with data=rollout (records hold no MTP layer's top-k or routing: a serving engine runs "
+             "MTP only as a speculative draft, on other inputs)")
     _require(t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
              "1 with data=rollout (each micro batch is one packed THD row)")
 

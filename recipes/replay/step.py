@@ -17,7 +17,13 @@ forward-backward for the step's scalars:
   top-k also selects) and ``moe/replay_expert_overlap/layer_<L>`` (the share of recorded experts
   the router would also choose), and their means over layers: where the gap comes from.
 
-Sums are over micro batches and data-parallel ranks (rollout data runs with TP = PP = CP = 1).
+Parallelism (:mod:`recipes.replay.parallel`): every rank reads the whole packed row and hands its
+layers their part: the top-k of its CP query rows (replicated over TP), the experts of the tokens
+its routers see (CP rows, then the SP slice), for the layers of its pipeline stage. The sums are
+over micro batches and all ranks: TP ranks repeat the same terms (ratios and maxima unchanged),
+CP and SP ranks add their own tokens, pipeline stages their own layers (the overlap tensors are
+laid out over the whole model's layers, so every rank reduces the same shape); the loss terms
+come from the last stage only.
 """
 
 from __future__ import annotations
@@ -29,7 +35,9 @@ import torch.distributed as dist
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from kpool_layers.dsa.replay import TopKReplay
-from recipes.replay.dataset import packed_seq_params_from_starts
+from recipes.config.megatron import sequence_parallel
+from recipes.replay.dataset import model_layers, packed_seq_params_from_starts
+from recipes.replay.parallel import RankSlice, stage_topk_layers
 from recipes.replay.records import EXPERTS_PREFIX, TOPK_PREFIX
 from recipes.replay.routing import ExpertOverlap, routers, set_targets
 from recipes.config.schema import Config, DataKind
@@ -49,31 +57,44 @@ class RolloutStep:
         self.dsa = cfg.model.dsa_topk_replay
         self.moe = cfg.model.moe_router_replay
         self.routers = routers(model)
+        self.topk_layers = stage_topk_layers(model)
+        self.model_layers = model_layers(cfg.model)
+        self.rank = RankSlice.current(sequence_parallel(cfg.parallelism))
         self.experts = ExpertOverlap(self.routers)
         self.measure = False
         self.replays: list[TopKReplay] = []
+        self.seen: set[str] = set()  # the record families of this step's micro batches
 
     def begin(self, measure: bool) -> None:
         """Before a step's forward-backward; ``measure``: record the replay overlaps."""
         self.measure = measure
         self.replays = []
+        self.seen = set()
         if measure and self.routers:
             self.experts.arm()
 
     def prepare(self, batch: dict[str, torch.Tensor]) -> PackedSeqParams:
-        """The micro batch's (one row ``[1, s]``) ``PackedSeqParams``, with its replay attached."""
+        """The micro batch's (one whole row ``[1, s]``) ``PackedSeqParams``, with this rank's part
+        of its replay attached (:mod:`recipes.replay.parallel`)."""
         packed = packed_seq_params_from_starts(batch["sample_starts"])
-        topk = _layer_tensors(batch, TOPK_PREFIX)
-        if self.dsa or (self.measure and topk):
+        recorded_topk = _layer_tensors(batch, TOPK_PREFIX)
+        topk = {layer: self.rank.topk(idx) for layer, idx in recorded_topk.items()
+                if layer in self.topk_layers}
+        if recorded_topk:
+            self.seen.add(TOPK_PREFIX)
+        if self.dsa or (self.measure and recorded_topk):
             replay = TopKReplay(topk, measure=self.measure)
             replay.attach(packed)
             self.replays.append(replay)
-        experts = {layer: idx.reshape(-1, idx.shape[-1])
-                   for layer, idx in _layer_tensors(batch, EXPERTS_PREFIX).items()}
+        recorded_experts = _layer_tensors(batch, EXPERTS_PREFIX)
+        experts = {layer: self.rank.router_tokens(idx.reshape(-1, idx.shape[-1]))
+                   for layer, idx in recorded_experts.items() if layer in self.routers}
+        if recorded_experts:
+            self.seen.add(EXPERTS_PREFIX)
         if self.moe:
             set_targets(self.routers, experts)
         if self.measure and experts:
-            self.experts.set_batch(experts, batch["sample_tokens"])
+            self.experts.set_batch(experts, self.rank.router_tokens(batch["sample_tokens"].reshape(-1)))
         return packed
 
     @staticmethod
@@ -108,10 +129,14 @@ class RolloutStep:
         if self.measure:
             if self.routers:
                 self.experts.disarm()
-            scalars.update(self._overlaps("dsa/replay_topk_overlap", self._topk_counts(), device))
-            scalars.update(self._overlaps("moe/replay_expert_overlap",
-                                          {layer: (self.experts.hits[layer], self.experts.counts[layer])
-                                           for layer in self.experts.hits}, device))
+            if TOPK_PREFIX in self.seen:
+                scalars.update(self._overlaps("dsa/replay_topk_overlap", self.model_layers.topk_layers,
+                                              self._topk_counts(), device))
+            if EXPERTS_PREFIX in self.seen:
+                scalars.update(self._overlaps(
+                    "moe/replay_expert_overlap", self.model_layers.moe_layers,
+                    {layer: (self.experts.hits[layer], self.experts.counts[layer])
+                     for layer in self.experts.hits}, device))
         return scalars
 
     def _topk_counts(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -123,13 +148,15 @@ class RolloutStep:
         return counts
 
     @staticmethod
-    def _overlaps(key: str, counts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    def _overlaps(key: str, layers: tuple[int, ...], counts: dict[int, tuple[torch.Tensor, torch.Tensor]],
                   device: torch.device) -> dict[str, float]:
-        if not counts:
+        """Per-layer ``hits / count`` over all ranks for every layer of the model (``layers``;
+        ``counts`` holds this rank's stage's, zeros elsewhere), and their mean."""
+        if not layers:
             return {}
-        layers = sorted(counts)
-        totals = torch.tensor([[float(counts[n][0]), float(counts[n][1])] for n in layers],
-                              dtype=torch.float64, device=device)
+        zero = (0, 0)
+        totals = torch.tensor([[float(counts.get(n, zero)[0]), float(counts.get(n, zero)[1])]
+                               for n in layers], dtype=torch.float64, device=device)
         dist.all_reduce(totals)
         per_layer = {f"{key}/layer_{n}": float(totals[i, 0] / totals[i, 1].clamp(min=1))
                      for i, n in enumerate(layers)}
