@@ -23,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.datasets.utils import Split
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.core.transformer.module import Float16Module
@@ -195,8 +196,8 @@ def _batches(cfg: Config, consumed: int, tokenizer: MegatronTokenizerBase,
     if rollout_data is not None:
         dataset = rollout_data
     else:
-        dataset = data_lib.build_train_dataset(
-            d, tokenizer=tokenizer, seq_length=d.seq_length,
+        dataset = data_lib.build_dataset(
+            d, Split.train, tokenizer=tokenizer, seq_length=d.seq_length,
             num_samples=t.steps * t.global_batch_size, seed=t.seed,
         )
     return data_lib.ResumableBatchIterator(
@@ -229,8 +230,8 @@ def _validator(cfg: Config, tokenizer: MegatronTokenizerBase, num_microbatches: 
     d, t = cfg.data, cfg.train
     if not t.eval_interval:
         return None
-    dataset = data_lib.build_validation_dataset(
-        d, tokenizer=tokenizer, seq_length=d.seq_length,
+    dataset = data_lib.build_dataset(
+        d, Split.valid, tokenizer=tokenizer, seq_length=d.seq_length,
         num_samples=t.eval_iters * t.global_batch_size, seed=t.seed)
 
     def batches() -> data_lib.ResumableBatchIterator:

@@ -4,15 +4,13 @@ gradient, and both TP ranks select exactly TP = 1's top-k indices. Two gloo proc
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.tp_harness import copy_sharded, forward_backward, shard, spawn_two_ranks
 
 CASES = [  # (sequence_parallel, packed THD boundaries, sparse indexer loss, kpool)
     (False, None, False, 1),
@@ -64,51 +62,15 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: i
     module = build(cfg)
     rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
     if reference is not None:
-        with torch.no_grad():
-            for param, ref in zip(module.parameters(), reference.parameters()):
-                param.copy_(_shard(ref, param, rank, tp))
-    x_in = x.detach().chunk(tp)[rank] if sp else x.detach()
-    x_in.requires_grad_()
+        copy_sharded(module, reference, rank, tp)
     packed = thd(cu) if cu is not None else None
     selected: list[torch.Tensor] = []
     module.indexer.register_forward_hook(lambda _m, _i, o: selected.append(o.topk_indices))
-    out, _ = module(x_in, None, packed_seq_params=packed)
-    w_in = weight.chunk(tp)[rank] if sp else weight
-    (out * w_in).sum().backward()
-    for param in module.parameters():  # what megatron's finalize_model_grads does over TP
-        if param.grad is None:  # frozen (the KPool ape)
-            continue
-        if sp and getattr(param, "sequence_parallel", False):
-            dist.all_reduce(param.grad, group=group)
-        if getattr(param, "average_gradients_across_tp_domain", False):
-            dist.all_reduce(param.grad, group=group)
-            param.grad /= tp
-    if sp:
-        out, grad_x = (_gather_sequence(t, tp, group) for t in (out.detach(), x_in.grad))
-    else:
-        grad_x = x_in.grad
-    return module, out.detach(), grad_x, collect_indexer_losses(module), selected[0]
+    out, grad_x = forward_backward(module, x, weight, sp, tp, group, packed_seq_params=packed)
+    return module, out, grad_x, collect_indexer_losses(module), selected[0]
 
 
-def _shard(full: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    if getattr(local, "tensor_model_parallel", False):
-        return full.chunk(tp, dim=local.partition_dim)[rank]
-    return full
-
-
-def _gather_sequence(t: torch.Tensor, tp: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)
-
-
-def _worker(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    from kpool_layers.compat import cpu as _cpu
-
-    _cpu.install()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _cases() -> None:
     for sp, cu, sparse_loss, kpool in CASES:
         case = f"sp={sp} thd={cu} sparse_loss={sparse_loss} kpool={kpool}"
         b = 1 if cu is not None else 2
@@ -129,11 +91,10 @@ def _worker(rank: int, port: int) -> None:
             if ref_param.grad is None:
                 assert param.grad is None and not param.requires_grad, f"{case} {name}"
                 continue
-            want = _shard(ref_param.grad, param, tp_rank, 2)
+            want = shard(ref_param.grad, param, tp_rank, 2)
             _assert_tp_close(param.grad, want, f"{case} grad {name}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.dist
 def test_tp2_equals_tp1() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn_two_ranks(_cases)

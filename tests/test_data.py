@@ -16,12 +16,13 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import Split
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from recipes.train.data import (
     ResumableBatchIterator,
     build_tokenizer,
-    build_train_dataset,
+    build_dataset,
     ensure_dataset_helpers,
     load_hf_tokenizer,
     packed_seq_params_from_eod,
@@ -70,7 +71,7 @@ def corpus(tmp_path_factory) -> SimpleNamespace:
 @pytest.fixture(scope="module")
 def mock_dataset():
     cfg = DataConfig()
-    return build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 128), seq_length=16,
+    return build_dataset(cfg, Split.train, tokenizer=build_tokenizer(cfg, 128), seq_length=16,
                                num_samples=64, seed=7)
 
 
@@ -97,8 +98,8 @@ def test_mock_dataset_shapes_and_seed_determinism(mock_dataset):
     cfg = DataConfig()
     tok = build_tokenizer(cfg, 128)
     assert tok.eod == 127
-    again = build_train_dataset(cfg, tokenizer=tok, seq_length=16, num_samples=64, seed=7)
-    other = build_train_dataset(cfg, tokenizer=tok, seq_length=16, num_samples=64, seed=8)
+    again = build_dataset(cfg, Split.train, tokenizer=tok, seq_length=16, num_samples=64, seed=7)
+    other = build_dataset(cfg, Split.train, tokenizer=tok, seq_length=16, num_samples=64, seed=8)
     first = torch.stack([mock_dataset[i]["tokens"] for i in range(8)])
     assert torch.equal(first, torch.stack([again[i]["tokens"] for i in range(8)]))
     assert not torch.equal(first, torch.stack([other[i]["tokens"] for i in range(8)]))
@@ -170,7 +171,7 @@ def test_indexed_dataset_tokens_decode_to_corpus_text(corpus, tmp_path):
                tokenizer=str(corpus.tok_dir), reset_position_ids=True, reset_attention_mask=True,
                eod_mask_loss=True, cache_dir=str(tmp_path / "cache"))
     tok = build_tokenizer(cfg, vocab_size=300)
-    ds = build_train_dataset(cfg, tokenizer=tok, seq_length=32, num_samples=20, seed=3)
+    ds = build_dataset(cfg, Split.train, tokenizer=tok, seq_length=32, num_samples=20, seed=3)
     assert len(ds) >= 20
     batch = next(ResumableBatchIterator(ds, micro_batch_size=2, dp_rank=0, dp_size=1))
     assert "attention_mask" not in batch  # documents are separated by THD cu_seqlens instead
@@ -187,7 +188,7 @@ def test_blended_paths_follow_weights(corpus, tmp_path):
     cfg = DataConfig(kind=DataKind.indexed, split="1,0,0", tokenizer=str(corpus.tok_dir / "tokenizer.json"),
                paths=["0.7", corpus.prefixes["alpha"], "0.3", corpus.prefixes["beta"]],
                cache_dir=str(tmp_path / "cache"))
-    ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
+    ds = build_dataset(cfg, Split.train, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
                              num_samples=200, seed=1)
     assert isinstance(ds, BlendedDataset)
     share_alpha = float((torch.as_tensor(ds.dataset_index[:200]) == 0).float().mean())
@@ -274,7 +275,7 @@ def test_small_corpus_with_the_default_split_does_not_hang(corpus, tmp_path):
     forever building it (at 100% CPU). Only the train split is built."""
     cfg = DataConfig(kind=DataKind.indexed, paths=[corpus.prefixes["alpha"]], split="969,30,1",
                tokenizer=str(corpus.tok_dir), cache_dir=str(tmp_path / "cache"))
-    ds = build_train_dataset(cfg, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
+    ds = build_dataset(cfg, Split.train, tokenizer=build_tokenizer(cfg, 300), seq_length=16,
                              num_samples=20, seed=1)
     assert len(ds) >= 20
 

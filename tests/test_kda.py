@@ -202,6 +202,17 @@ def test_layer_matches_transformers(single_rank_parallel_state, lower_bound: flo
                                atol=_layer_bound(19, float(expected.abs().max())))
 
 
+def test_rejects_unsupported_inputs(single_rank_parallel_state) -> None:
+    """The ``self_attention`` slot's arguments the layer does not implement are refused by name
+    (``kpool_layers.compat.attention_slot``), so is a packed THD batch wider than 1."""
+    ours = build_kda(our_config(-5.0))
+    x = torch.randn(8, 1, HIDDEN)
+    with pytest.raises(ValueError, match=r"KimiDeltaAttention does not support \['rotary_pos_emb', 'attention_bias'\]"):
+        ours(x, None, rotary_pos_emb=torch.zeros(8, 1, 1, 4), attention_bias=torch.zeros(1))
+    with pytest.raises(ValueError, match="packed THD needs batch size 1, got 2"):
+        ours(torch.randn(8, 2, HIDDEN), None, packed_seq_params=thd([0, 8]))
+
+
 def thd(cu: list[int]) -> PackedSeqParams:
     cu_t = torch.tensor(cu, dtype=torch.int32)
     longest = int((cu_t[1:] - cu_t[:-1]).max())

@@ -4,15 +4,13 @@ slice). Two gloo processes."""
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from tests.tp_harness import copy_sharded, forward_backward, shard, spawn_two_ranks
 
 CASES = [(False, None), (True, None), (True, [0, 5, 9, 16]), (False, [0, 11, 16])]
 """(sequence_parallel, packed THD boundaries)"""
@@ -33,18 +31,6 @@ def _assert_tp_close(actual: torch.Tensor, expected: torch.Tensor, what: str) ->
     torch.testing.assert_close(actual, expected, rtol=0.0, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-def _shard(full: torch.Tensor, local: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
-    if getattr(local, "tensor_model_parallel", False):
-        return full.chunk(tp, dim=local.partition_dim)[rank]
-    return full
-
-
-def _gather_sequence(t: torch.Tensor, tp: int, group: dist.ProcessGroup) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(tp)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 def _run(sp: bool, tp: int, cu: Optional[list[int]], x: torch.Tensor, weight: torch.Tensor,
          reference: Optional[torch.nn.Module] = None):
     from megatron.core import parallel_state as ps
@@ -59,23 +45,14 @@ def _run(sp: bool, tp: int, cu: Optional[list[int]], x: torch.Tensor, weight: to
     torch.manual_seed(0)  # the same TP = 1 reference on both processes
     module = build_kda(cfg)
     rank, group = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group()
-    with torch.no_grad():
-        if reference is None:
+    if reference is None:
+        with torch.no_grad():
             module.A_log.normal_(0.0, 1.0)  # decay rates that differ per head
-        else:
-            for param, ref in zip(module.parameters(), reference.parameters()):
-                param.copy_(_shard(ref, param, rank, tp))
-    x_in = (x.detach().chunk(tp)[rank] if sp else x.detach()).clone().requires_grad_(True)
-    out, _ = module(x_in, None, packed_seq_params=thd(cu) if cu is not None else None)
-    (out * (weight.chunk(tp)[rank] if sp else weight)).sum().backward()
-    for param in module.parameters():  # what megatron's finalize_model_grads does over TP
-        if sp and getattr(param, "sequence_parallel", False):
-            dist.all_reduce(param.grad, group=group)
-    if sp:
-        out, grad_x = (_gather_sequence(t, tp, group) for t in (out.detach(), x_in.grad))
     else:
-        grad_x = x_in.grad
-    return module, out.detach(), grad_x
+        copy_sharded(module, reference, rank, tp)
+    out, grad_x = forward_backward(module, x, weight, sp, tp, group,
+                                   packed_seq_params=thd(cu) if cu is not None else None)
+    return module, out, grad_x
 
 
 def _check_sharded_state_dict(mod: torch.nn.Module, ref: torch.nn.Module, case: str) -> None:
@@ -94,13 +71,7 @@ def _check_sharded_state_dict(mod: torch.nn.Module, ref: torch.nn.Module, case: 
         assert list(tensor.global_offset) == offset, (case, name, tensor)
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    torch.set_num_threads(1)
-    from kpool_layers.compat import cpu as _cpu
-
-    _cpu.install()
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _cases() -> None:
     for sp, cu in CASES:
         case = f"sp={sp} thd={cu}"
         b = 1 if cu is not None else 2
@@ -115,11 +86,10 @@ def _worker(rank: int, port: int) -> None:
         names = [name for name, _ in mod.named_parameters()]
         assert names == [name for name, _ in ref.named_parameters()], case
         for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
-            want = _shard(ref_param.grad, param, dist.get_rank(), 2)
+            want = shard(ref_param.grad, param, dist.get_rank(), 2)
             _assert_tp_close(param.grad, want, f"{case} grad {name}")
-    dist.destroy_process_group()
 
 
 @pytest.mark.dist
 def test_tp2_equals_tp1() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=2, join=True)
+    spawn_two_ranks(_cases)

@@ -13,6 +13,8 @@ from kpool_layers import kernel_routes
 from kpool_layers.compat import wgrad_accumulation
 from kpool_layers.dsa import backends as dsa_kernels
 from kpool_layers.kernel_routes import KernelBackend, KernelUnavailable, Machine, Route
+from kpool_layers.linear_attention import backends as kda_kernels
+from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
 from kpool_layers.loss import LOSS, FusedLossGPTModel, loss_backend
 from kpool_layers.moe.grouped_gemm import GROUPED_FP8, GROUPED_MM
 from kpool_layers.precision import fp8
@@ -23,13 +25,13 @@ from recipes.observe.precision_map import KERNEL_ROUTES, format_rows, route_rows
 
 CPU = Machine(cuda=False)
 KEYS = {"dsa", "fp8_gemm", "fp8_quant", "fp8_dequant", "serving_quant", "hadamard", "grouped_gemm", "grouped_mm",
-        "loss", "wgrad"}
+        "loss", "wgrad", "linear_attention"}
 FALLBACK = {"dsa": "torch", "fp8_gemm": "emulate", "fp8_quant": "torch", "fp8_dequant": "torch",
             "serving_quant": "torch", "hadamard": "torch", "grouped_gemm": "loop", "grouped_mm": "loop",
-            "loss": "megatron", "wgrad": "kpool"}
+            "loss": "megatron", "wgrad": "kpool", "linear_attention": "torch"}
 CUDA_ONLY = {"dsa": ["triton"], "fp8_gemm": [], "fp8_quant": ["triton"], "fp8_dequant": ["triton"],
              "serving_quant": ["triton"], "hadamard": ["triton"], "grouped_gemm": ["triton"],
-             "grouped_mm": ["grouped_mm"], "loss": ["triton"], "wgrad": []}
+             "grouped_mm": ["grouped_mm"], "loss": ["triton"], "wgrad": [], "linear_attention": ["fla"]}
 """The backends of each key that decline for want of a CUDA device (fp8_gemm's torch declines for
 want of an FP8 GPU, wgrad's apex for want of apex's extension)."""
 
@@ -98,6 +100,19 @@ def test_dsa_auto_and_the_planned_machine() -> None:
     assert taken.kernel(16).keywords == {"chunk_size": 16}
     taken = dsa_kernels.DSA.take("tilelang")  # asked for: checked by check_backend, not here
     assert taken.forced and taken.declined == {} and callable(taken.kernel)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU resolution")
+def test_linear_attention_route_is_the_kda_backend_choice() -> None:
+    route = kda_kernels.LINEAR_ATTENTION
+    assert kda_kernels.resolve("auto", on_device=False) == "fla" and route.latest.kernel is None  # planned: nothing loaded
+    assert kda_kernels.resolve("auto") == "torch" and route.latest.declined == {"fla": "no CUDA device"}
+    assert kda_kernels.delta_rule("torch") is chunk_kda_torch  # the layer spec records the resolved auto
+    assert not route.latest.forced and route.latest.declined == {"fla": "no CUDA device"}
+    assert kda_kernels.delta_rule("fla") is kda_kernels.chunk_kda_fla and route.latest.forced  # asked for
+    with pytest.raises(KernelUnavailable, match=r"model\.linear_attention_kernels=fla cannot run here: no CUDA device; "
+                                                r"allowed: \['fla', 'torch'\]"):
+        route.resolve("fla", CPU)
 
 
 def test_loss_route_is_the_fusion_decision() -> None:
@@ -185,7 +200,8 @@ def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
         pytest.skip("needs compute capability >= 9.0")
     expected = {"dsa": "triton", "fp8_gemm": "torch", "fp8_quant": "triton", "fp8_dequant": "triton",
                 "serving_quant": "triton", "hadamard": "triton", "grouped_gemm": "triton",
-                "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool"}
+                "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool",
+                "linear_attention": "fla" if importlib.util.find_spec("fla") is not None else "torch"}
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
         expected["wgrad"] = "apex"
     for key, backend in expected.items():

@@ -33,3 +33,31 @@ def test_training_on_a_gpu_logs_the_spec_mfu(tmp_path) -> None:
     rows = [r for r in metrics(tmp_path / "mfu") if "loss" in r]  # step rows (drift rows hold dsa/*)
     assert len(rows) == 2
     assert all(abs(r["mfu"] - r["tflops_per_gpu"] / 1000.0) < 1e-12 for r in rows)
+
+
+def test_a_gpu_step_logs_model_tflops_per_gpu_beside_both_mfu_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step record of a CUDA run (faked here: world size 2, no GPU touched) carries the model
+    TFLOP/s per GPU as its own key, ``mfu`` against the spec peak and ``mfu_matmul`` against the
+    measured matmul rate, each under ``throughput/`` in wandb, and the console names both peaks.
+    The FLOP model is 1e12 FLOP per token and 2,000 tokens in 0.5 s: 4e3 tokens/s, so 4e15 FLOP/s
+    over 2 GPUs = 2,000 TFLOP/s per GPU (exact in binary floating point)."""
+    from types import SimpleNamespace
+
+    from recipes import loop
+    from recipes.observe.metrics import wandb_key
+
+    logged: list[tuple[int, dict[str, float], str]] = []
+    logger = SimpleNamespace(log=lambda step, scalars, console: logged.append((step, scalars, console)))
+    trainer = SimpleNamespace(optimizer=SimpleNamespace(param_groups=[{"lr": 1e-3}]))
+    flops = SimpleNamespace(per_token=lambda seq_length: 1e12)
+    monkeypatch.setattr(loop, "peak_memory_gib", lambda device: 1.0)
+    monkeypatch.setattr(loop.dist, "get_world_size", lambda: 2)
+    loop._log_step(logger, 3, 2.5, 1.0, trainer, step_time=0.5, seq_length=16, tokens_per_step=2000,
+                   flops=flops, peaks=PeakRates(spec=4000.0, matmul=2500.0), device=torch.device("cuda"),
+                   total_steps=10, extra={}, timing="")
+    (step, scalars, console), = logged
+    assert step == 3 and scalars["tflops_per_gpu"] == 2000.0
+    assert scalars["mfu"] == 0.5 and scalars["mfu_matmul"] == 0.8
+    assert " | 2000 TFLOP/s/GPU | MFU 50.0% of 4000 spec, 80.0% of 2500 matmul | " in console
+    assert [wandb_key(k) for k in ("tflops_per_gpu", "mfu", "mfu_matmul")] == [
+        "throughput/tflops_per_gpu", "throughput/mfu", "throughput/mfu_matmul"]

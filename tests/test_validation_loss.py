@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron.core.datasets.utils import Split
 from torch.utils.data import default_collate
 
 from recipes.config.rules import validate
@@ -66,8 +67,8 @@ def test_val_loss_equals_a_forward_by_hand(single_rank_parallel_state) -> None:
     assert model.training and all(p.grad is None for p in model.parameters())
 
     kwargs = dict(tokenizer=tokenizer, seq_length=32, num_samples=12, seed=cfg.train.seed)
-    valid = data_lib.build_validation_dataset(cfg.data, **kwargs)
-    train = data_lib.build_train_dataset(cfg.data, **kwargs)
+    valid = data_lib.build_dataset(cfg.data, Split.valid, **kwargs)
+    train = data_lib.build_dataset(cfg.data, Split.train, **kwargs)
     assert not torch.equal(torch.as_tensor(valid[0]["tokens"]), torch.as_tensor(train[0]["tokens"]))
     totals = torch.zeros(2, dtype=torch.float64)
     model.eval()
@@ -178,7 +179,7 @@ def test_indexed_validation_split_is_built_and_an_empty_one_is_named(corpus, tmp
     which megatron would try to fill forever: a ConfigError naming ``data.split`` first, only when
     eval is on."""
     from recipes.config.schema import DataConfig, DataKind
-    from recipes.train.data import build_tokenizer, build_validation_dataset
+    from recipes.train.data import build_dataset, build_tokenizer
     from recipes.train.data_checks import check_indexed_data
 
     def data(split: str) -> DataConfig:
@@ -186,8 +187,8 @@ def test_indexed_validation_split_is_built_and_an_empty_one_is_named(corpus, tmp
                           tokenizer=str(corpus.tok_dir), cache_dir=str(tmp_path / "cache"))
 
     check_indexed_data(data("9,1,0"), 300, validation=True)
-    valid = build_validation_dataset(data("9,1,0"), tokenizer=build_tokenizer(data("9,1,0"), 300),
-                                     seq_length=16, num_samples=8, seed=1)
+    valid = build_dataset(data("9,1,0"), Split.valid, tokenizer=build_tokenizer(data("9,1,0"), 300),
+                          seq_length=16, num_samples=8, seed=1)
     assert len(valid) >= 8 and torch.as_tensor(valid[0]["tokens"]).shape == (16,)
     check_indexed_data(data("99,1,0"), 300)  # eval off: no validation split needed
     with pytest.raises(ConfigError, match=r"validation part gets at least one of the 40 documents") as err:

@@ -1,1 +1,1 @@
-"""Where megatron-core meets the machine: running without CUDA, host-to-device copies, and the fills for megatron's optional apex/TE seams (weight-gradient accumulation into DDP buffers, multi-tensor norm and scale)."""
+"""Where megatron-core meets the machine and its layer slots: running without CUDA, host-to-device copies, the fills for megatron's optional apex/TE seams (weight-gradient accumulation into DDP buffers, multi-tensor norm and scale), and the base of this project's layers for TransformerLayer's self_attention slot (its forward arguments, TP/SP layout)."""

@@ -9,10 +9,14 @@ backend     delta rule
             ``pip install -e '.[fla]'``, fla-core 0.6.0; its Triton comes with PyTorch's CUDA wheels)
 ==========  ==================================================================================
 
-``auto`` is ``fla`` on a CUDA machine where flash-linear-attention is installed (and for a dry run
-planning for GPUs), else ``torch`` (models without KDA layers need no extra). ``fla`` requested by
-name is checked by :func:`check_backend` before the build: it raises, naming the fix, when the
-package or a CUDA device is missing.
+The kernel route :data:`LINEAR_ATTENTION` (:mod:`kpool_layers.kernel_routes`) holds the table,
+tried in the order fla, torch: ``auto`` is ``fla`` on a CUDA machine where flash-linear-attention
+is installed (and for a dry run planning for GPUs), else ``torch`` (models without KDA layers need
+no extra). ``fla`` requested by name is checked by :func:`check_backend` before the build: it
+raises, naming the fix, when the package or a CUDA device is missing. The layer spec
+(:func:`kpool_layers.linear_attention.kda.kda_spec`) takes the resolved backend's delta rule
+through :func:`delta_rule`, which records it as the route's choice (the precision map's
+``route.linear_attention`` row).
 
 Every backend is a :data:`DeltaRule`: ``(q, k, v, g, beta, scale, cu_seqlens) -> o`` with
 ``q, k [B, T, H, K]`` and ``v [B, T, H, V]`` in the model dtype (q and k are L2-normalised inside),
@@ -23,13 +27,14 @@ last entry ``T``) or None; ``o [B, T, H, V]`` in ``v``'s dtype.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from enum import Enum
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
+from kpool_layers.kernel_routes import (KernelBackend, KernelUnavailable, Machine, Route, needs_cuda, needs_package,
+                                        register)
 from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
 
 
@@ -47,38 +52,8 @@ FLA_EXTRA = "pip install -e '.[fla]' (fla-core==0.6.0)"
 
 DeltaRule = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Optional[Tensor]], Tensor]
 
-
-class KernelUnavailable(ValueError):
-    """A backend that cannot run here; the message names the fix."""
-
-
-def resolve(requested: str, *, on_device: Optional[bool] = None) -> str:
-    """The backend ``requested`` stands for: ``auto`` -> ``fla`` with CUDA and the package
-    installed (or ``on_device=False``: a dry run planning for GPUs), else ``torch``; other values
-    unchanged."""
-    if requested not in BACKENDS:
-        raise KernelUnavailable(f"{KEY}={requested!r}; allowed: {list(BACKENDS)}")
-    if requested != "auto":
-        return requested
-    if on_device is False:
-        return "fla"
-    usable = torch.cuda.is_available() and importlib.util.find_spec("fla") is not None
-    return "fla" if usable else "torch"
-
-
-def check_backend(backend: str, *, on_device: bool = True) -> None:
-    """Raise :class:`KernelUnavailable` unless resolved ``backend`` runs here: for ``fla`` the
-    package imports and a CUDA device is present (``on_device=False``, a dry run planning for
-    another machine, checks neither)."""
-    if backend not in ("torch", "fla"):
-        raise KernelUnavailable(f"{KEY}={backend!r}; allowed: {list(BACKENDS)}")
-    if backend == "torch" or not on_device:
-        return
-    if importlib.util.find_spec("fla") is None:
-        raise KernelUnavailable(f"{KEY}=fla needs flash-linear-attention: {FLA_EXTRA}; "
-                                f"or set {KEY}=torch")
-    if not torch.cuda.is_available():
-        raise KernelUnavailable(f"{KEY}=fla needs a CUDA device; set {KEY}=torch on this machine")
+_needs_fla = needs_package("fla", FLA_EXTRA)
+"""The ``fla`` backend's package check (with :func:`needs_cuda`, what it needs of the machine)."""
 
 
 def chunk_kda_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -95,13 +70,46 @@ def chunk_kda_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     return out.to(v.dtype)
 
 
-DELTA_RULES: dict[str, DeltaRule] = {"torch": chunk_kda_torch, "fla": chunk_kda_fla}
-"""Resolved backend -> its delta rule."""
+LINEAR_ATTENTION = register(Route("linear_attention", (
+    KernelBackend("fla", lambda: chunk_kda_fla, "flash-linear-attention's Triton chunk_kda",
+                  declines=(needs_cuda, _needs_fla)),
+    KernelBackend("torch", lambda: chunk_kda_torch, "chunked PyTorch delta rule (fp32 math)"),
+), summary="KDA chunked delta rule", config_key=KEY))
+"""The ``linear_attention_kernels`` route: each backend's ``load`` gives its :data:`DeltaRule`."""
+
+
+def resolve(requested: str, *, on_device: Optional[bool] = None) -> str:
+    """The backend ``requested`` stands for: ``auto`` -> :data:`LINEAR_ATTENTION`'s automatic
+    resolution on this machine (``on_device=False``: on the GPU machine a dry run plans for, so
+    ``fla``), recorded there; other values unchanged."""
+    if requested not in BACKENDS:
+        raise KernelUnavailable(f"{KEY}={requested!r}; allowed: {list(BACKENDS)}")
+    if requested != "auto":
+        return requested
+    machine = Machine.planned_gpu() if on_device is False else Machine.here()
+    return LINEAR_ATTENTION.resolve(machine=machine).backend
+
+
+def check_backend(backend: str, *, on_device: bool = True) -> None:
+    """Raise :class:`KernelUnavailable` unless resolved ``backend`` runs here: for ``fla`` the
+    package imports and a CUDA device is present (the route's decline checks; ``on_device=False``,
+    a dry run planning for another machine, checks neither)."""
+    if backend not in LINEAR_ATTENTION.names:
+        raise KernelUnavailable(f"{KEY}={backend!r}; allowed: {list(BACKENDS)}")
+    if backend == "torch" or not on_device:
+        return
+    machine = Machine.here()
+    if _needs_fla(machine) is not None:
+        raise KernelUnavailable(f"{KEY}=fla needs flash-linear-attention: {FLA_EXTRA}; "
+                                f"or set {KEY}=torch")
+    if needs_cuda(machine) is not None:
+        raise KernelUnavailable(f"{KEY}=fla needs a CUDA device; set {KEY}=torch on this machine")
 
 
 def delta_rule(backend: str) -> DeltaRule:
-    """The delta rule of resolved ``backend`` (``torch`` or ``fla``)."""
-    if backend not in DELTA_RULES:
+    """The delta rule of resolved ``backend`` (``torch`` or ``fla``), recorded as
+    :data:`LINEAR_ATTENTION`'s choice (the layer spec calls this at the build)."""
+    if backend not in LINEAR_ATTENTION.names:
         raise KernelUnavailable(f"{KEY}={backend!r} is not resolved; allowed here: "
-                                f"{sorted(DELTA_RULES)} ('auto' is resolved by resolve())")
-    return DELTA_RULES[backend]
+                                f"{sorted(LINEAR_ATTENTION.names)} ('auto' is resolved by resolve())")
+    return LINEAR_ATTENTION.take(backend).kernel

@@ -45,13 +45,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
@@ -60,6 +55,7 @@ from megatron.core.transformer.utils import (
 from megatron.core.utils import get_pg_size
 from torch import Tensor
 
+from kpool_layers.compat.attention_slot import AttentionSlotLayer
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.linear_attention.backends import DeltaRule, delta_rule
 
@@ -154,7 +150,7 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, positions: Tensor) -> Tenso
     return F.silu(out).to(x.dtype)
 
 
-class KimiDeltaAttention(MegatronModule):
+class KimiDeltaAttention(AttentionSlotLayer):
     """KDA; see the module docstring for the math, the TP split and the packed-document rules.
 
     ``forward(hidden_states [s/TP if SP else s, b, h], ...)`` -> ``(output [same shape], None)``.
@@ -257,11 +253,7 @@ class KimiDeltaAttention(MegatronModule):
         """``up(down(x))`` with ``down``'s rank-``D`` output gathered over TP (and scattered back
         to this rank's sequence slice under SP) -> ``[s, b, H_l * D]``."""
         mid, _ = down(x)
-        if mid.size(-1) != self.head_dim:
-            mid = gather_from_tensor_model_parallel_region(mid, group=self.tp_group)
-            if self.sequence_parallel:
-                mid = scatter_to_sequence_parallel_region(mid, group=self.tp_group)
-        out, _ = up(mid)
+        out, _ = up(self.full_width(mid, self.head_dim))
         return out
 
     def _decay(self, x: Tensor) -> Tensor:
@@ -280,40 +272,11 @@ class KimiDeltaAttention(MegatronModule):
         normed = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.config.layernorm_epsilon)
         return (normed * weight.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
-    def forward(
-        self,
-        hidden_states: Tensor,
-        attention_mask: Optional[Tensor] = None,
-        key_value_states: Optional[Tensor] = None,
-        inference_context: Any = None,
-        rotary_pos_emb: Any = None,
-        rotary_pos_cos: Optional[Tensor] = None,
-        rotary_pos_sin: Optional[Tensor] = None,
-        rotary_pos_cos_sin: Optional[Tensor] = None,
-        attention_bias: Optional[Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-        position_ids: Optional[Tensor] = None,
-        sequence_len_offset: Optional[int] = None,
-        *,
-        inference_params: Any = None,
-    ) -> tuple[Tensor, None]:
-        """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``; only
-        ``packed_seq_params`` (THD) changes the computation, inference and cross-attention inputs
-        are rejected."""
-        unsupported = dict(key_value_states=key_value_states, inference_context=inference_context,
-                           inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
-                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                           rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                           sequence_len_offset=sequence_len_offset)
-        given = [key for key, value in unsupported.items() if value is not None]
-        if given:
-            raise ValueError(f"KimiDeltaAttention does not support {given}")
-        cu_seqlens = None
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            padded = packed_seq_params.cu_seqlens_q_padded
-            cu_seqlens = padded if padded is not None else packed_seq_params.cu_seqlens_q
-            if hidden_states.size(1) != 1:
-                raise ValueError(f"packed THD needs batch size 1, got {hidden_states.size(1)}")
+    def attend(self, hidden_states: Tensor, packed_seq_params: Optional[PackedSeqParams],
+               cu_seqlens: Optional[Tensor]) -> tuple[Tensor, None]:
+        """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``; the THD
+        boundaries ``cu_seqlens`` restart the conv and the recurrence (the base's ``forward``
+        takes ``TransformerLayer``'s arguments and rejects inference and cross-attention)."""
 
         heads = (self.local_heads, self.head_dim)
         q, k, v = (lin(hidden_states)[0] for lin in (self.linear_q, self.linear_k, self.linear_v))

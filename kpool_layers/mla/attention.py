@@ -71,14 +71,12 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
-    gather_from_tensor_model_parallel_region,
-    scatter_to_sequence_parallel_region,
 )
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import get_pg_size
 
+from kpool_layers.compat.attention_slot import AttentionSlotLayer
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.dsa.context_parallel import cp_size, gather_sequence, query_positions
 from kpool_layers.dsa.core_attention import CORE_ATTENTION
@@ -196,7 +194,7 @@ class GLMSparseMLASubmodules:
     core_attention: ModuleSpec | type
 
 
-class GLMSparseMLA(MegatronModule):
+class GLMSparseMLA(AttentionSlotLayer):
     """Absorbed MLA with DSA sparse attention; see the module docstring for the math.
 
     ``forward(hidden_states [s_cp/TP if SP else s_cp, b, h], ...)`` -> ``(output [same shape], None)``
@@ -283,41 +281,16 @@ class GLMSparseMLA(MegatronModule):
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_count = 0
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        key_value_states: Optional[torch.Tensor] = None,
-        inference_context: Any = None,
-        rotary_pos_emb: Any = None,
-        rotary_pos_cos: Optional[torch.Tensor] = None,
-        rotary_pos_sin: Optional[torch.Tensor] = None,
-        rotary_pos_cos_sin: Optional[torch.Tensor] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        sequence_len_offset: Optional[int] = None,
-        *,
-        inference_params: Any = None,
-    ) -> tuple[torch.Tensor, None]:
+    def attend(self, hidden_states: torch.Tensor, packed_seq_params: Optional[PackedSeqParams],
+               cu_seqlens: Optional[torch.Tensor]) -> tuple[torch.Tensor, None]:
         """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``.
 
-        ``s_local = s_cp / TP`` under sequence parallelism, else ``s_cp`` (this CP rank's rows). Only ``packed_seq_params`` (THD) changes
-        the computation; ``attention_mask`` and ``position_ids`` are not read (causal, positions
-        from ``packed_seq_params``); inference, cross-attention and external rotary are rejected.
+        ``s_local = s_cp / TP`` under sequence parallelism, else ``s_cp`` (this CP rank's rows).
+        Only ``packed_seq_params`` (THD, ``cu_seqlens`` its boundaries) changes the computation;
+        the base's ``forward`` takes ``TransformerLayer``'s arguments and rejects inference,
+        cross-attention and external rotary.
         """
-        unsupported = dict(key_value_states=key_value_states, inference_context=inference_context,
-                           inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
-                           rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
-                           rotary_pos_cos_sin=rotary_pos_cos_sin, attention_bias=attention_bias,
-                           sequence_len_offset=sequence_len_offset)
-        given = [key for key, value in unsupported.items() if value is not None]
-        if given:
-            raise ValueError(f"GLMSparseMLA does not support {given}")
         cfg = self.config
-        cu_seqlens = _thd_cu_seqlens(packed_seq_params)
-        if cu_seqlens is not None and hidden_states.size(1) != 1:
-            raise ValueError(f"packed THD needs batch size 1, got {hidden_states.size(1)}")
 
         q_latent = self.q_layernorm(self._down(self.linear_q_down_proj, hidden_states,
                                                cfg.q_lora_rank))
@@ -371,17 +344,10 @@ class GLMSparseMLA(MegatronModule):
         return output, None
 
     def _down(self, linear: torch.nn.Module, hidden: torch.Tensor, width: int) -> torch.Tensor:
-        """Down projection to ``[s_local, b, width]`` (full width, this rank's sequence slice).
-
-        A column-parallel linear yields ``[s, b, width / TP]`` (its SP input gathered): gather the
-        channels over TP, then scatter the sequence back under SP. An output that already has the
-        full width (TP = 1, or a linear duplicated on every rank) is this rank's slice as is."""
+        """Down projection to ``[s_local, b, width]`` (full width, this rank's sequence slice;
+        :meth:`full_width`)."""
         out, _ = linear(hidden)
-        if out.size(-1) != width:
-            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
-            if self.sequence_parallel:
-                out = scatter_to_sequence_parallel_region(out, group=self.tp_group)
-        return out
+        return self.full_width(out, width)
 
     def _full_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (this rank's sequence slice under SP) for the full sequence, with backward summing
@@ -476,14 +442,6 @@ def collect_indexer_losses(model: torch.nn.Module) -> dict[str, float]:
             if value is not None:
                 losses[name] = value
     return losses
-
-
-def _thd_cu_seqlens(packed_seq_params: Optional[PackedSeqParams]) -> Optional[torch.Tensor]:
-    """Document boundaries of a packed THD batch (padded ones when present, as megatron)."""
-    if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
-        return None
-    padded = packed_seq_params.cu_seqlens_q_padded
-    return padded if padded is not None else packed_seq_params.cu_seqlens_q
 
 
 def _check_config(config: GLMTransformerConfig, attn_mask_type: AttnMaskType) -> None:

@@ -17,8 +17,8 @@ import torch
 from recipes.config.schema import LoggingConfig, WandbMode
 
 H200_BF16_TFLOPS = 756.0
-"""Dense bf16 matmul rate measured on one H200, TFLOP/s: the peak MFU is taken against
-(NVIDIA's spec dense bf16 peak is 989; docs/benchmarks.md gives MFU against both)."""
+"""Dense bf16 matmul rate measured on one H200, TFLOP/s: what ``mfu_matmul`` divides by on an H200
+(``mfu`` divides by the GPU's spec dense bf16 peak, 989 for an H200: recipes/plan/peak_flops.py)."""
 
 
 @dataclass(frozen=True)

@@ -203,46 +203,29 @@ def ensure_dataset_helpers() -> None:
     importlib.import_module("megatron.core.datasets.helpers_cpp")
 
 
-def build_train_dataset(
+def build_dataset(
     data_cfg: DataConfig,
+    which: Split,
     *,
     tokenizer: MegatronTokenizerBase,
     seq_length: int,
     num_samples: int,
     seed: int,
 ) -> torch.utils.data.Dataset:
-    """The training split of megatron's GPT dataset with at least ``num_samples`` samples.
+    """Split ``which`` (megatron's ``Split.train`` or ``Split.valid``) of megatron's GPT dataset
+    with at least ``num_samples`` samples.
 
     ``kind="mock"``: ``MockGPTDataset`` (synthetic documents ending in EOD; megatron splits its
-    documents 1:1:1). ``kind="indexed"``: ``GPTDataset`` over ``paths`` (megatron blend list;
-    weights sample the prefixes in proportion) split by ``split``. Only the requested split is
-    built. Items are dicts of ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of length
-    ``seq_length`` (no dense ``attention_mask``: with ``reset_attention_mask`` the loop runs each
-    row as packed THD documents, see :func:`packed_seq_params_from_eod`). Call on every rank
-    (collective when torch.distributed is initialized).
+    documents 1:1:1, so the validation split is the middle third). ``kind="indexed"``:
+    ``GPTDataset`` over ``paths`` (megatron blend list; weights sample the prefixes in proportion)
+    split by ``split``: the training and validation splits hold disjoint documents. Only the
+    requested split is built. Items are dicts of ``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids`` of length ``seq_length`` (no dense ``attention_mask``: with
+    ``reset_attention_mask`` the loop runs each row as packed THD documents, see
+    :func:`packed_seq_params_from_eod`). Call on every rank (collective when torch.distributed is
+    initialized). An indexed ``split`` without a part for ``which`` is a :class:`ConfigError`
+    naming ``data.split`` (:mod:`recipes.config.rules` refuses a missing validation part first).
     """
-    return _build_split(data_cfg, Split.train, tokenizer, seq_length, num_samples, seed)
-
-
-def build_validation_dataset(
-    data_cfg: DataConfig,
-    *,
-    tokenizer: MegatronTokenizerBase,
-    seq_length: int,
-    num_samples: int,
-    seed: int,
-) -> torch.utils.data.Dataset:
-    """The validation split of the same dataset as :func:`build_train_dataset` (documents
-    disjoint from the training split's: the validation part of ``data.split`` for indexed data,
-    the middle third of the mock documents), with at least ``num_samples`` samples; the same
-    items and the same collective contract. An indexed ``split`` without a validation part is a
-    :class:`ConfigError` naming ``data.split`` (:mod:`recipes.config.rules` refuses it first)."""
-    return _build_split(data_cfg, Split.valid, tokenizer, seq_length, num_samples, seed)
-
-
-def _build_split(data_cfg: DataConfig, which: Split, tokenizer: MegatronTokenizerBase,
-                 seq_length: int, num_samples: int, seed: int) -> torch.utils.data.Dataset:
-    """Split ``which`` of megatron's GPT dataset for ``data_cfg`` (see :func:`build_train_dataset`)."""
     indexed = data_cfg.kind == DataKind.indexed
     if indexed and not data_cfg.paths:
         raise ValueError("data.kind='indexed' needs data.paths")

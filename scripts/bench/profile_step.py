@@ -4,9 +4,12 @@
         [--out step.json] [--peak-tflops 756]
 
 Builds the model exactly as ``train.py`` does (recipes.loop internals), runs one warm-up step, then
-``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s and MFU from
+``--steps`` timed steps without the profiler (step time, tokens/s, model TFLOP/s from
 :class:`recipes.observe.metrics.FlopModel`: sparse attention counts top-k keys per query, not s; peak
-memory) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernels run per step and per
+memory; MFU as ``mfu`` against ``--peak-tflops``, by default 756, the H200's measured dense bf16
+matmul rate, i.e. the training log's ``mfu_matmul``, and as ``mfu_spec`` against the GPU's spec dense
+bf16 peak from :mod:`recipes.plan.peak_flops`, i.e. the training log's ``mfu``, where the table knows
+the GPU) and ``--steps`` profiled steps with ``torch.profiler`` (GPU kernels run per step and per
 micro-batch, ``launches_*``; the host's calls that queue work, ``host_launches_*``: kernel, graph,
 copy and memset launches, which differ once a CUDA graph replays the step; the top operators by
 self device time, self CPU time on CPU). With ``train.cuda_graph_impl=full_iteration`` the warm-up
@@ -52,6 +55,7 @@ from recipes.launch import distributed
 from recipes import loop
 from recipes.train.cuda_graph import ForwardBackward, capture_stream
 from recipes.plan.dry_run import flop_model
+from recipes.plan.peak_flops import spec_peak
 from recipes.config.schema import Config, CudaGraphImpl
 from timing import compose_config  # sibling module (run as a script)
 
@@ -191,6 +195,7 @@ def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None
     step_s = statistics.median(plain)
     tokens = cfg.train.global_batch_size * cfg.data.seq_length
     tflops = tokens * flop_model(cfg).per_token(cfg.data.seq_length) / step_s / 1e12
+    spec = spec_peak(torch.cuda.get_device_name()) if device.type == "cuda" else None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -202,6 +207,7 @@ def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None
     figures = {
         "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops, "peak_tflops": args.peak_tflops,
+        "mfu_spec": tflops / spec if spec else None, "spec_peak_tflops": spec,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if device.type == "cuda" else None,
         "launches_per_step": launches,
