@@ -2,6 +2,7 @@
 
     python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT [--force]
     python scripts/convert_checkpoint.py export --ckpt CKPT --hf-out DIR [--model NAME|FILE.yaml] [--fp8] [--force]
+    python scripts/convert_checkpoint.py verify --hf DIR [--ckpt CKPT] [--tokens N] [--seq-len S] [--packed] [--max-delta X]
 
 ``import`` writes a torch_dist checkpoint with full (unsharded) tensors, which megatron's
 ``dist_checkpointing`` reshards on load to any TP/PP/EP: ``python train.py model=NAME
@@ -15,7 +16,10 @@ tensor shape (vocab included) against that model before writing anything.
 Output goes to a temporary directory renamed into place when complete; a non-empty output
 directory is refused unless ``--force``. Both outputs hold ``conversion.json`` naming their source.
 Both directions stream: one tensor (import) or one HF layer (export) is in memory at a time;
-tensors are written to disk as they come. See docs/hf_interop.md.
+tensors are written to disk as they come. ``verify`` runs the same tokens through transformers'
+model of ``--hf`` and ours (weights from ``--ckpt``, or ``--hf`` mapped in memory) on CPU in
+float32, prints max / mean |Δlogit| and top-1 agreement, and exits 1 when max |Δlogit| exceeds the
+bound (``recipes.hf.verify``). See docs/hf_interop.md.
 """
 
 from __future__ import annotations
@@ -60,6 +64,8 @@ from recipes.checkpoint.manifest import code_version, verify, write_manifest  # 
 from recipes.hf.convert_checks import (check_export_paths, check_output_dir,  # noqa: E402
                                        check_single_checkpoint, one_line)
 from recipes.config.schema import Config, ModelConfig  # noqa: E402
+from recipes.hf.verify import DEFAULT_SEQ_LEN, DEFAULT_TOKENS, Report, family, read_hf_config  # noqa: E402
+from recipes.hf.verify import verify as verify_logits  # noqa: E402
 
 MODEL_YAML = "model.yaml"
 CONVERSION_JSON = "conversion.json"
@@ -282,6 +288,25 @@ def _export_into(ckpt: str | os.PathLike, hf_out: Path, model: str | None, fp8: 
     _record_source(hf_out, "export", ckpt, model_cfg, fp8=fp8)
 
 
+def verify_hf(hf_dir: str | os.PathLike, ckpt: str | os.PathLike | None = None, model: str | None = None,
+              **options: Any) -> Report:
+    """``verify``: the model config (``--model``, else the checkpoint's, else derived from
+    ``--hf``'s config.json), then :func:`recipes.hf.verify.verify` with ``options``."""
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()  # its load report and progress bars
+    transformers.utils.logging.disable_progress_bar()
+    hf_config = read_hf_config(hf_dir)
+    family(hf_config, hf_dir)
+    if ckpt is not None:
+        check_single_checkpoint(ckpt)
+        model_cfg = checkpoint_model_group(ckpt, model)
+    else:
+        model_cfg = model_group(model, hf_config)
+    init_single_rank()
+    return verify_logits(hf_dir, model_cfg, ckpt, **options)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -297,15 +322,29 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--force", action="store_true", help="replace a non-empty --hf-out")
     exp.add_argument("--fp8", action="store_true", help="write block-FP8 (e4m3, 128x128 weight_scale_inv)")
     exp.add_argument("--shard-gb", type=float, default=5.0, help="max safetensors shard size")
+    ver = sub.add_parser("verify", help="logit parity of transformers and our model on the same tokens (CPU, fp32)")
+    ver.add_argument("--hf", required=True, help="HF checkpoint directory (config.json + safetensors)")
+    ver.add_argument("--ckpt", help="megatron checkpoint (train.py or import; default: --hf mapped in memory)")
+    ver.add_argument("--model", help="conf/model name or yaml file (default: from --ckpt, else config.json)")
+    ver.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="tokens in the batch (a multiple of --seq-len)")
+    ver.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per sequence")
+    ver.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    ver.add_argument("--packed", action="store_true", help="our model sees the sequences as THD documents of one row")
+    ver.add_argument("--max-delta", type=float, help="bound on max |Δlogit| (default: derived, printed)")
     args = parser.parse_args(argv)
     mmap_large_allocations()
     try:
         if args.command == "import":
             import_hf(args.hf, args.out, args.model, args.force)
+        elif args.command == "verify":
+            report = verify_hf(args.hf, args.ckpt, args.model, tokens=args.tokens, seq_len=args.seq_len,
+                               seed=args.seed, packed=args.packed, max_delta=args.max_delta)
         else:
             export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
     except Exception as err:  # noqa: BLE001 (every failure of a conversion: one line naming its file)
         sys.exit(one_line(err))
+    if args.command == "verify" and not report.passed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
