@@ -75,7 +75,7 @@ def test_tp2_first_step_loss_equals_tp1(tmp_path: Path) -> None:
 
 def test_dry_run_counts_glm5_2_parameters(tmp_path: Path) -> None:
     """The cluster preset planned on one CPU: parameters, stages and the per-GPU verdict."""
-    out = run_train(tmp_path, "dry", ["experiment=glm5_2_h200_64n", "train.dry_run=true"])
+    out = run_train(tmp_path, "dry", ["experiment=glm5_2_h200_64n", "data=mock", "train.dry_run=true"])
     line = next(x for x in out.stdout.splitlines() if x.startswith("model glm5_2:"))
     total = int(line.split(":")[1].split("parameters")[0].replace(",", ""))
     assert abs(total - 753_329_940_480) / 753_329_940_480 < 0.005
