@@ -71,6 +71,10 @@ def test_tp2_first_step_loss_equals_tp1(tmp_path: Path) -> None:
     assert (tmp_path / "tp2" / ".hydra" / "config.yaml").is_file()
     assert sorted(p.name for p in (tmp_path / "tp2").glob("train_rank*.log")) == [
         "train_rank0.log", "train_rank1.log"]
+    # Every rank's log keeps its step lines (rank 1 prints none), with the loss both ranks agree on.
+    for rank in (0, 1):
+        log = (tmp_path / "tp2" / f"train_rank{rank}.log").read_text()
+        assert f"[kpool.console][INFO] - step     1/1 | loss {tp2:.4f} |" in log, (rank, log[-2000:])
 
 
 def test_dry_run_counts_glm5_2_parameters(tmp_path: Path) -> None:
