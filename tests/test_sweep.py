@@ -282,3 +282,13 @@ def test_short_labels_are_the_swept_keys_and_values(tmp_path):
         "dsa_indexer_kpool=4, model.lr=2, train.x.lr=0.2",
         "paths=[aaaaaaaaaaaaaaaaaaaaaa\u2026, dsa_indexer_kpool=4, model.lr=2, train.x.lr=0.2"]
     assert short_labels([job("7", []), job("8", [])]) == ["7", "8"]
+
+
+def test_summary_of_a_sweep_without_jobs_yet(tmp_path):
+    import warnings
+
+    (tmp_path / "sweep").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. matplotlib's "No artists with labels found"
+        assert write_summary(tmp_path / "sweep") == []
+    assert (tmp_path / "sweep" / "summary.png").read_bytes().startswith(PNG_MAGIC)

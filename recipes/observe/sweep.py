@@ -271,7 +271,8 @@ def summary_figure(jobs: list[Job], rows: list[dict[str, Any]]) -> Figure:
         if not job.metrics:  # in the legend all the same, with what happened
             loss_ax.plot([], [], **kwargs)
     loss_ax.set(title="loss", xlabel="step", ylabel="loss (train; val/loss: open diamonds)")
-    loss_ax.legend(fontsize="small")
+    if loss_ax.lines:  # a sweep dir with no job yet has none
+        loss_ax.legend(fontsize="small")
     if drift:
         overlaps = [float(m[OVERLAP]) for job in jobs for m in job.metrics if m.get(OVERLAP) is not None]
         axes[3].set_ylim(*fraction_limits(overlaps))
