@@ -36,7 +36,7 @@ from recipes.train import data as data_lib
 from recipes.launch import distributed
 from recipes.checkpoint import resume as resume_lib
 from recipes.launch import run_owner
-from recipes.launch.console import duration
+from recipes.launch.console import duration, say
 from recipes.config.short_runs import fit_to_run_length
 from recipes.train.cuda_graph import ForwardBackward, capture_stream
 from recipes.train.data_checks import check_indexed_data
@@ -452,5 +452,5 @@ def _log_step(logger: MetricsLogger, step: int, loss: float, grad_norm: Optional
 
 
 def _print0(msg: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(msg, flush=True)
+    """A console line: printed by rank 0, kept in every rank's log file."""
+    say(msg, show=not dist.is_initialized() or dist.get_rank() == 0)

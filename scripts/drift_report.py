@@ -7,9 +7,10 @@ RUN_DIR is a run directory (its ``metrics.jsonl`` is read, so ``logging=none`` r
 ``wandb/offline-run-*/run-*.wandb`` (searched recursively), an ``offline-run-*`` directory or a
 ``.wandb`` file. Keys ``<prefix>/<metric>/layer_<i>`` (as logged
 by the trainer, e.g. ``dsa/topk_overlap/layer_1``) are collected per metric, and for each metric
-the report writes ``<metric>_lines.png`` (value over steps, one line per layer),
-``<metric>_heatmap.png`` (layer x step) and a section of ``drift_report.md`` (per-layer first /
-last / mean / min). Output goes to ``RUN_DIR/drift_report`` unless ``--out`` is given.
+the report writes ``<metric>_lines.png`` (value over steps, one line per layer, each its own
+colour and marker), ``<metric>_heatmap.png`` (layer x step, with a labelled colorbar) and a section
+of ``drift_report.md`` (per-layer first / last / mean / min; ``topk_overlap`` first). Fractions
+(overlaps, row shares) are drawn within [0, 1], ``score_rel_err`` from 0. Output goes to ``RUN_DIR/drift_report`` unless ``--out`` is given.
 
 wandb 0.31 has no Python reader for its ``.wandb`` transaction log (the Go core writes it), so the
 file is read here: a LevelDB-style log (7-byte file header ``":W&B"``, magic ``0xBEE1``, version 0;
@@ -30,6 +31,15 @@ import sys
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a file from a checkout: this checkout's recipes
+    sys.path.insert(0, str(ROOT))
+
+from matplotlib.figure import Figure  # noqa: E402
+
+from recipes.observe.drift_names import FRACTIONS, metric_order  # noqa: E402
+from recipes.observe.plot_style import distinct_styles, fraction_limits  # noqa: E402
 
 HEADER = struct.Struct("<4sHB")
 RECORD_HEADER = struct.Struct("<IHB")
@@ -132,52 +142,73 @@ def drift_series(history: dict[int, dict[str, float]], prefix: str = "dsa") -> S
     return series
 
 
-def plot_metric(metric: str, layers: dict[int, dict[int, float]], out: Path) -> list[Path]:
-    """``<metric>_lines.png`` and ``<metric>_heatmap.png`` in ``out``; returns their paths."""
-    import matplotlib
+def _axis_label(metric: str) -> str:
+    return f"{metric} (fraction)" if metric in FRACTIONS else f"{metric} (relative error)"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _value_limits(metric: str, values: list[float]) -> tuple[float, float]:
+    """Fractions (overlaps, row shares) within [0, 1]; a relative error from 0."""
+    if metric in FRACTIONS:
+        return fraction_limits(values)
+    return 0.0, max(max(values) * 1.05, 1e-12)
+
+
+def lines_figure(metric: str, layers: dict[int, dict[int, float]]) -> Figure:
+    """``metric`` over steps, one line per layer, each layer its own colour and marker
+    (:func:`recipes.observe.plot_style.distinct_styles`, distinct for any layer count)."""
+    order = sorted(layers)
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for layer, style in zip(order, distinct_styles(len(order))):
+        xs = sorted(layers[layer])
+        ax.plot(xs, [layers[layer][s] for s in xs], label=f"layer {layer}", color=style.color,
+                marker=style.marker, markersize=4 if len(xs) < 50 else 0)
+    values = [v for per_step in layers.values() for v in per_step.values()]
+    ax.set_ylim(*_value_limits(metric, values))
+    ax.set(xlabel="step", ylabel=_axis_label(metric), title=f"{metric} per layer")
+    ax.legend(fontsize="small", ncol=max(1, math.ceil(len(order) / 12)))
+    return fig
+
+
+def heatmap_figure(metric: str, layers: dict[int, dict[int, float]]) -> Figure:
+    """``metric`` as a layer x step image with a labelled colorbar over the same value range as
+    :func:`lines_figure`'s axis; steps a layer did not log are blank."""
     import numpy as np
 
     order = sorted(layers)
     steps = sorted({s for per_step in layers.values() for s in per_step})
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for layer in order:
-        xs = sorted(layers[layer])
-        ax.plot(xs, [layers[layer][s] for s in xs], label=f"layer {layer}", marker="." if len(xs) < 50 else None)
-    ax.set(xlabel="step", ylabel=metric, title=f"{metric} per layer")
-    ax.legend(fontsize="small", ncol=max(1, len(order) // 12))
-    lines = out / f"{metric}_lines.png"
-    fig.tight_layout()
-    fig.savefig(lines, dpi=100)
-    plt.close(fig)
-
     grid = np.full((len(order), len(steps)), np.nan)
     col = {s: j for j, s in enumerate(steps)}
     for i, layer in enumerate(order):
         for s, v in layers[layer].items():
             grid[i, col[s]] = v
-    fig, ax = plt.subplots(figsize=(8, max(2.5, 0.3 * len(order) + 1.5)))
-    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis")
+    fig = Figure(figsize=(8, max(2.5, 0.3 * len(order) + 1.5)), layout="constrained")
+    ax = fig.subplots()
+    lo, hi = _value_limits(metric, [v for per_step in layers.values() for v in per_step.values()])
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap="viridis", vmin=lo, vmax=hi)
     ax.set_yticks(range(len(order)), [str(layer) for layer in order])
     ticks = np.linspace(0, len(steps) - 1, min(len(steps), 8)).round().astype(int)
     ax.set_xticks(ticks, [str(steps[t]) for t in ticks])
     ax.set(xlabel="step", ylabel="layer", title=f"{metric} (layer x step)")
-    fig.colorbar(image, ax=ax)
-    heatmap = out / f"{metric}_heatmap.png"
-    fig.tight_layout()
-    fig.savefig(heatmap, dpi=100)
-    plt.close(fig)
-    return [lines, heatmap]
+    fig.colorbar(image, ax=ax, label=_axis_label(metric))
+    return fig
+
+
+def plot_metric(metric: str, layers: dict[int, dict[int, float]], out: Path) -> list[Path]:
+    """``<metric>_lines.png`` and ``<metric>_heatmap.png`` in ``out``; returns their paths."""
+    paths = [out / f"{metric}_lines.png", out / f"{metric}_heatmap.png"]
+    for path, figure in zip(paths, (lines_figure(metric, layers), heatmap_figure(metric, layers))):
+        figure.savefig(path, dpi=100)
+    return paths
 
 
 def summary_markdown(series: Series, source: list[Path]) -> str:
-    """Markdown: one table per metric with first / last / mean / min (and its step) per layer."""
+    """Markdown: one table per metric (in :func:`recipes.observe.drift_names.metric_order`, the
+    top-k overlap first) with first / last / mean / min (and its step) per layer."""
     lines = ["# Top-k drift report", "", "Source: " + ", ".join(f"`{p}`" for p in source), ""]
     if not series:
         lines.append("No drift metrics found.")
-    for metric in sorted(series):
+    for metric in metric_order(set(series)):
         layers = series[metric]
         lines += [f"## {metric}", "", f"![lines]({metric}_lines.png) ![heatmap]({metric}_heatmap.png)", ""]
         lines += ["| layer | steps | first | last | mean | min | min step |", "|---|---|---|---|---|---|---|"]

@@ -45,8 +45,8 @@ def test_every_option_composes(group: str, option: str) -> None:
         assert cfg[group].name == option
     world = cfg.parallelism.nodes * cfg.parallelism.gpus_per_node
     needs = {"indexed": "data.paths", "rollout": "data.rollout_dir"}  # data files the option needs
-    if group == "data" and option in needs:
-        with pytest.raises(ConfigError, match=needs[option]):
+    if cfg.data.kind in needs and (group == "data" or not cfg.data.paths):
+        with pytest.raises(ConfigError, match=needs[cfg.data.kind]):
             validate(cfg, world)
         return
     validate(cfg, world)
@@ -252,10 +252,18 @@ def test_dry_run_check_lists_every_problem_at_once() -> None:
         assert key in text, text
 
 
-def test_glm5_2_cluster_preset_is_valid_for_its_machine() -> None:
+def test_glm5_2_cluster_preset_trains_on_indexed_data_and_needs_its_path() -> None:
+    """The 512-GPU preset trained on mock data; it takes data=indexed, and without a data path its
+    first problem on its own machine is a ConfigError naming data.paths (raised before the build)."""
     cfg = _compose(["experiment=glm5_2_h200_64n"])
     assert cfg.parallelism.nodes * cfg.parallelism.gpus_per_node == 512
-    validate(cfg, 512)
+    assert (cfg.data.kind, cfg.data.seq_length) == ("indexed", 4096)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, 512)
+    assert (err.value.key, err.value.value) == ("data.paths", [])
+    validate(_compose(["experiment=glm5_2_h200_64n", "data.paths=[/shared/corpus_text_document]",
+                       "data.tokenizer=/shared/tokenizer"]), 512)
+    assert _compose(["experiment=glm5_2_h200_64n", "data=mock"]).data.seq_length == 4096  # planning
 
 
 def test_uneven_stages_build_their_own_layer_counts() -> None:

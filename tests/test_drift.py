@@ -195,7 +195,8 @@ def test_drift_report_reads_offline_run(offline_run, tmp_path):
     md = (out / "drift_report.md").read_text()
     assert "## topk_overlap" in md and "## score_rel_err" in md
     # layer 3: first 1.0, last 1 - 0.003 * 119 = 0.643, min at step 119
-    assert "| 3 | 120 | 1.0000 | 0.6430 |" in md and md.rstrip().splitlines()[-1].endswith("| 119 |")
+    overlap = md.split("## topk_overlap")[1].split("## score_rel_err")[0]  # the overlap comes first
+    assert "| 3 | 120 | 1.0000 | 0.6430 |" in overlap and overlap.rstrip().splitlines()[-1].endswith("| 119 |")
     for name in ("topk_overlap_lines.png", "topk_overlap_heatmap.png", "score_rel_err_heatmap.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -239,3 +240,44 @@ def test_drift_report_reads_metrics_jsonl_without_wandb(tmp_path):
     assert "metrics.jsonl" in md and "## topk_overlap" in md
     assert "| 2 | 2 | 0.9000 | 0.8000 |" in md  # layer 2: steps 5 and 10
     assert not (tmp_path / "wandb").exists()
+
+
+def _layers(n: int, value: float, slope: float) -> dict[int, dict[int, float]]:
+    return {layer: {step: value + slope * step * layer for step in range(0, 40, 5)} for layer in range(1, n + 1)}
+
+
+def test_drift_report_figures_axes_colorbars_and_layer_styles():
+    """The overlap axis ran past 1, the relative-error axis below 0, colorbars had no label and
+    12 layers shared a 10-colour cycle."""
+    from matplotlib.colors import to_hex
+
+    report = _load_report_module()
+    overlap = _layers(12, 1.0, -0.0005)  # 1.0 down to 1 - 0.0005 * 35 * 12 = 0.79
+    fig = report.lines_figure("topk_overlap", overlap)
+    ax = fig.axes[0]
+    lo, hi = ax.get_ylim()
+    assert 0.0 <= lo < 0.79 and hi == 1.0  # margin max(5% of 0.21, 0.005), clipped at 1
+    lines = ax.get_lines()
+    assert len(lines) == 12 and len({to_hex(line.get_color()) for line in lines}) == 12
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"layer {i}" for i in range(1, 13)]
+    assert ax.get_ylabel() == "topk_overlap (fraction)" and ax.get_xlabel() == "step"
+
+    rel = report.lines_figure("score_rel_err", _layers(2, 0.001, 0.0001)).axes[0]
+    assert rel.get_ylim()[0] == 0.0 and rel.get_ylim()[1] >= 0.001 + 0.0001 * 35 * 2
+    assert rel.get_ylabel() == "score_rel_err (relative error)"
+
+    heat = report.heatmap_figure("topk_overlap", overlap)
+    image_ax, colorbar_ax = heat.axes
+    assert colorbar_ax.get_ylabel() == "topk_overlap (fraction)"
+    vmin, vmax = image_ax.images[0].get_clim()
+    assert (vmin, vmax) == (lo, hi)  # the same range as the lines
+    assert [t.get_text() for t in image_ax.get_yticklabels()] == [str(i) for i in range(1, 13)]
+
+
+def test_drift_report_puts_the_overlap_first():
+    report = _load_report_module()
+    series = {name: _layers(1, 0.5, 0.0) for name in ("boundary_tie_frac", "score_rel_err", "topk_overlap",
+                                                      "custom_metric", "topk_jaccard")}
+    md = report.summary_markdown(series, [Path("metrics.jsonl")])
+    sections = [line[3:] for line in md.splitlines() if line.startswith("## ")]
+    assert sections == ["topk_overlap", "topk_jaccard", "boundary_tie_frac", "score_rel_err", "custom_metric"]

@@ -58,7 +58,8 @@ def test_signal_to_self_sets_should_stop(sig: str) -> None:
         """
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", sig]
+    assert proc.stdout.splitlines() == [f"preemption: {sig} received on rank 0; stopping after this step",
+                                        f"True {sig}"]
 
 
 def test_signal_not_in_list_keeps_default_action() -> None:
@@ -73,7 +74,7 @@ def test_signal_not_in_list_keeps_default_action() -> None:
         print("still alive")
         """
     )
-    assert proc.stdout.split() == ["True", "SIGUSR2"]
+    assert proc.stdout.splitlines()[-1] == "True SIGUSR2"
     assert proc.returncode == -signal.SIGUSR1
 
 
@@ -182,3 +183,43 @@ def test_ranks_stop_at_the_same_step_and_requeue_once(tmp_path: Path) -> None:
     assert [r["signal"] for r in results] == [None, "SIGUSR1"]
     assert [r["requeued"] for r in results] == [True, True]
     assert (tmp_path / "calls.txt").read_text().split() == ["requeue", "99"]
+
+
+def test_preemption_notice_is_a_console_line_and_kept_in_the_rank_log(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The notice came as ``[time][recipes.launch.preemption][WARNING] - preemption: ...`` (Hydra's
+    log format): it is the project's own line on stdout, once, and the rank's log file keeps it."""
+    import io
+
+    from recipes.launch.console import ConsoleFilter
+
+    monkeypatch.setenv("RANK", "0")
+    hydra_format = logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    console, log_file = io.StringIO(), io.StringIO()
+    handlers = [logging.StreamHandler(console), logging.StreamHandler(log_file)]  # as conf/config.yaml
+    handlers[0].addFilter(ConsoleFilter())
+    root = logging.getLogger()
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    for handler in handlers:
+        handler.setFormatter(hydra_format)
+        root.addHandler(handler)
+    guard = PreemptionGuard(("SIGUSR1",))
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert guard.should_stop() and guard.should_stop()  # announced once
+    finally:
+        guard.close()
+        for handler in handlers:
+            root.removeHandler(handler)
+        root.setLevel(old_level)
+    notice = "preemption: SIGUSR1 received on rank 0; stopping after this step"
+    assert capsys.readouterr().out == notice + "\n"
+    assert console.getvalue() == ""
+    assert log_file.getvalue().rstrip().endswith(f"[kpool.console][INFO] - {notice}")
+
+
+def test_notice_when_another_rank_got_the_signal() -> None:
+    guard = PreemptionGuard(enabled=False)
+    assert guard.notice() == "preemption: another rank received a stop signal; stopping after this step"

@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from hydra.core.utils import JobReturn, JobStatus
 
 from recipes.observe.sweep import find_job_dirs, record_job_result, write_summary
@@ -198,3 +199,96 @@ def test_wandb_keys_are_grouped_and_sweeps_share_a_group(tmp_path, monkeypatch):
                            "memory/peak_mem_gib": 3.0, "dsa/topk_overlap": 0.9})]
     # metrics.jsonl keeps the flat names
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 2.0
+
+
+def _drift_metrics(kpool: int, steps: int) -> str:
+    """Step records as the trainer logs them with precision.drift.interval=2 (a drift record after
+    the step's record, its layer mean under dsa/topk_overlap)."""
+    lines = []
+    for record in _metrics(kpool, steps).splitlines():
+        lines.append(record)
+        step = json.loads(record)["step"]
+        if step % 2 == 0:
+            lines.append(json.dumps({"step": step, "dsa/topk_overlap": 1.0 - 0.01 * step * kpool,
+                                     "dsa/topk_overlap/layer_1": 1.0}))
+    return "\n".join(lines) + "\n"
+
+
+def test_summary_figure_shows_every_job_failed_ones_in_red(tmp_path):
+    """summary.png left failed jobs out (its title promised them in red), labelled jobs by raw
+    override strings, had no loss-axis label and no drift panel."""
+    from matplotlib.colors import to_hex
+
+    from recipes.observe.plot_style import FAILED_COLOR
+    from recipes.observe.sweep import read_sweep, summary_figure
+
+    sweep = tmp_path / "sweep"
+    const = "train.steps=4"
+    for num, kpool in ((0, 1), (1, 2)):
+        overrides = [f"model.dsa_indexer_kpool={kpool}", const]
+        _job(sweep, num, overrides, _drift_metrics(kpool, 4),
+             {"status": "completed", "error": None, "final_loss": 2.0, "steps": 4, "overrides": overrides})
+    _job(sweep, 2, ["model.dsa_indexer_kpool=4", const], _drift_metrics(4, 2),
+         {"status": "failed", "error": "CUDA out of memory", "final_loss": None, "steps": 2,
+          "overrides": ["model.dsa_indexer_kpool=4", const]})
+    _job(sweep, 3, ["model.dsa_indexer_kpool=3", const], None,
+         {"status": "failed", "error": "ConfigError", "final_loss": None, "steps": 0,
+          "overrides": ["model.dsa_indexer_kpool=3", const]})
+    jobs, rows = read_sweep(sweep)
+    fig = summary_figure(jobs, rows)
+    loss_ax, tps_ax, mem_ax, drift_ax = fig.axes[:4]
+    labels = [f"dsa_indexer_kpool={k}" for k in (1, 2, 4, 3)]
+    assert fig.get_suptitle() == "sweep: 2 of 4 jobs completed"
+
+    assert loss_ax.get_xlabel() == "step" and loss_ax.get_ylabel().startswith("loss")
+    legend = [t.get_text() for t in loss_ax.get_legend().get_texts()]
+    assert legend == [labels[0], labels[1], f"{labels[2]} (failed)", f"{labels[3]} (failed)"]
+    colors = [to_hex(line.get_color()) for line in loss_ax.get_lines()]
+    assert colors[2:] == [FAILED_COLOR, FAILED_COLOR] and FAILED_COLOR not in colors[:2]
+    assert colors[0] != colors[1]
+    assert [line.get_linestyle() for line in loss_ax.get_lines()] == ["-", "-", "--", "--"]
+
+    for ax in (tps_ax, mem_ax):  # every job a bar, in job order, red when not completed
+        assert [t.get_text() for t in ax.get_yticklabels()] == labels
+        bars = [to_hex(p.get_facecolor()) for p in ax.patches]
+        assert len(bars) == 4 and bars[2:] == [FAILED_COLOR] * 2 and FAILED_COLOR not in bars[:2]
+        assert ax.get_xlabel()
+    assert any("failed: no tokens_per_s" in t.get_text() for t in tps_ax.texts)  # the job without metrics
+
+    assert drift_ax.get_ylabel() == "top-k overlap (mean over layers)"
+    # overlaps 0.92 (kpool 4 at step 2, kpool 2 at step 4) .. 0.98 (kpool 1 at step 2); margin
+    # max(5% of the span, 0.005) = 0.005 (plot_style.fraction_limits)
+    assert drift_ax.get_ylim() == pytest.approx((0.915, 0.985))
+    assert len(drift_ax.get_lines()) == 3  # the failed job's steps too
+
+    no_drift = tmp_path / "plain"
+    _job(no_drift, 0, ["x=1"], _metrics(1, 2), None)
+    _job(no_drift, 1, ["x=2"], _metrics(2, 2), None)
+    assert len(summary_figure(*read_sweep(no_drift)).axes) == 3  # no empty drift panel
+
+
+def test_short_labels_are_the_swept_keys_and_values(tmp_path):
+    from recipes.observe.sweep import Job, short_labels
+
+    def job(name: str, overrides: list[str]) -> Job:
+        return Job(tmp_path / name, overrides, "completed", None, 1, 1.0)
+
+    jobs = [job("0", ["model.dsa_indexer_kpool=2", "+train.x.lr=0.1", "model.lr=1", "seed=3"]),
+            job("1", ["model.dsa_indexer_kpool=4", "+train.x.lr=0.2", "model.lr=2", "seed=3"]),
+            job("2", ["model.dsa_indexer_kpool=4", "+train.x.lr=0.2", "model.lr=2",
+                      "seed=3", "data.paths=[" + "a" * 40 + "]"])]
+    assert short_labels(jobs) == [
+        "dsa_indexer_kpool=2, model.lr=1, train.x.lr=0.1",
+        "dsa_indexer_kpool=4, model.lr=2, train.x.lr=0.2",
+        "paths=[aaaaaaaaaaaaaaaaaaaaaa\u2026, dsa_indexer_kpool=4, model.lr=2, train.x.lr=0.2"]
+    assert short_labels([job("7", []), job("8", [])]) == ["7", "8"]
+
+
+def test_summary_of_a_sweep_without_jobs_yet(tmp_path):
+    import warnings
+
+    (tmp_path / "sweep").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. matplotlib's "No artists with labels found"
+        assert write_summary(tmp_path / "sweep") == []
+    assert (tmp_path / "sweep" / "summary.png").read_bytes().startswith(PNG_MAGIC)

@@ -71,11 +71,15 @@ def test_tp2_first_step_loss_equals_tp1(tmp_path: Path) -> None:
     assert (tmp_path / "tp2" / ".hydra" / "config.yaml").is_file()
     assert sorted(p.name for p in (tmp_path / "tp2").glob("train_rank*.log")) == [
         "train_rank0.log", "train_rank1.log"]
+    # Every rank's log keeps its step lines (rank 1 prints none), with the loss both ranks agree on.
+    for rank in (0, 1):
+        log = (tmp_path / "tp2" / f"train_rank{rank}.log").read_text()
+        assert f"[kpool.console][INFO] - step     1/1 | loss {tp2:.4f} |" in log, (rank, log[-2000:])
 
 
 def test_dry_run_counts_glm5_2_parameters(tmp_path: Path) -> None:
     """The cluster preset planned on one CPU: parameters, stages and the per-GPU verdict."""
-    out = run_train(tmp_path, "dry", ["experiment=glm5_2_h200_64n", "train.dry_run=true"])
+    out = run_train(tmp_path, "dry", ["experiment=glm5_2_h200_64n", "data=mock", "train.dry_run=true"])
     line = next(x for x in out.stdout.splitlines() if x.startswith("model glm5_2:"))
     total = int(line.split(":")[1].split("parameters")[0].replace(",", ""))
     assert abs(total - 753_329_940_480) / 753_329_940_480 < 0.005

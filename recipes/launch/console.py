@@ -1,4 +1,5 @@
-"""A quiet console: library warnings filtered, logs of other ranks kept in their log files, and
+"""A quiet console: library warnings filtered, logs of other ranks kept in their log files, the
+project's own lines (:func:`say`) printed as they are and kept in every rank's log file, and
 config errors printed as one paragraph.
 
 Imports nothing heavy: ``train.py`` calls :func:`quiet` before megatron-core (or torch) is
@@ -16,6 +17,10 @@ import warnings
 from typing import Iterator
 
 _installed = False
+
+CONSOLE_LOGGER = "kpool.console"
+"""The logger :func:`say` keeps its lines in; :class:`ConsoleFilter` keeps it off the console (the
+line was printed already), so its records reach the rank's log file (``train_rank<N>.log``) only."""
 
 
 def env_rank() -> int:
@@ -62,16 +67,28 @@ def install_filters() -> None:
         warnings.filterwarnings("ignore", category=category, message=message)
 
 
+def say(line: str, show: bool) -> None:
+    """A console line of the project's own (a step line, a checkpoint note, the preemption notice):
+    printed as it is, without a log format, when ``show`` (the rank that talks to the user), and
+    on every rank kept in that rank's log file as an INFO record of :data:`CONSOLE_LOGGER` (when
+    logging has handlers: Hydra's job logging)."""
+    if show:
+        print(line, flush=True)
+    logging.getLogger(CONSOLE_LOGGER).info(line)
+
+
 class ConsoleFilter(logging.Filter):
     """For the console handler (conf/config.yaml ``hydra.job_logging``): rank 0 shows its own
-    records and libraries' errors; other ranks only errors. Everything still goes to the rank's
-    log file."""
+    records and libraries' errors; other ranks only errors; :func:`say`'s records never (they were
+    printed). Everything still goes to the rank's log file."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rank = env_rank()
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == CONSOLE_LOGGER:
+            return False
         if record.levelno >= logging.ERROR:
             return True
         library = record.name.split(".", 1)[0] in ("megatron", "torch", "wandb")

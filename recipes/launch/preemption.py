@@ -35,6 +35,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from recipes.launch.console import say
+
 log = logging.getLogger(__name__)
 
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
@@ -150,9 +152,15 @@ class PreemptionGuard:
             stop = bool(flag.item())
         if stop and not self._announced:
             self._announced = True
-            cause = self._received or "another rank's signal"
-            log.warning("preemption: %s on rank %d, stopping after this step", cause, _global_rank())
+            say(self.notice(), show=_global_rank() == 0)
         return stop
+
+    def notice(self) -> str:
+        """The console line announcing the stop (printed once by global rank 0, kept in every
+        rank's log file): which signal this rank received, or that another rank received one."""
+        if self._received is None:
+            return "preemption: another rank received a stop signal; stopping after this step"
+        return f"preemption: {self._received} received on rank {_global_rank()}; stopping after this step"
 
     def requeue(self) -> bool:
         """Requeues this SLURM job; call after the checkpoint is saved.
@@ -187,5 +195,5 @@ class PreemptionGuard:
                 "scontrol requeue %s exited %d: %s", job_id, proc.returncode, proc.stderr.strip()
             )
             return False
-        log.warning("requeued SLURM job %s; it resumes from the latest checkpoint", job_id)
+        say(f"requeued SLURM job {job_id}; it resumes from the latest checkpoint", show=True)
         return True

@@ -37,15 +37,13 @@ from kpool_layers.dsa.drift import boundary_tie_frac, reduce_drift_metrics, topk
 from kpool_layers.dsa.indexer import DSAIndexer, IndexerOutput, ScoredSelection
 from kpool_layers.dsa.numerics import IndexerNumerics, indexer_numerics
 from kpool_layers.precision.policy import PrecisionPolicy
+from recipes.observe.drift_names import METRICS
 from recipes.observe.precision_map import profile_policy
 from recipes.config.schema import DriftConfig, DriftReference
 
 TABLE_EVERY = 10
 """A per-layer wandb Table on the first and every ``TABLE_EVERY``-th measurement."""
 
-METRICS = ("topk_overlap", "topk_exact_rows", "topk_mismatch_frac", "topk_jaccard",
-           "boundary_tie_frac", "score_rel_err", "pool_overlap")
-"""Logged metric names (``pool_overlap`` only for ``kpool > 1``)."""
 
 
 def reference_numerics(reference: DriftReference | str, policy: PrecisionPolicy) -> IndexerNumerics:

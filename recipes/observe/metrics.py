@@ -1,7 +1,7 @@
 """Per-step scalars: console line, ``metrics.jsonl`` in the run dir, and Weights & Biases.
 
 Only the logging rank (global rank 0, which is on the last pipeline stage's data-parallel rank 0
-after the loss is broadcast) writes. ``logging.mode=disabled`` creates no wandb files at all.
+after the loss is broadcast) writes and prints; every rank keeps the step lines in its log file. ``logging.mode=disabled`` creates no wandb files at all.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Optional
 import torch
 
 from recipes.config.schema import LoggingConfig, WandbMode
+from recipes.launch.console import say
 
 H200_BF16_TFLOPS = 756.0
 """Dense bf16 matmul rate measured on one H200, TFLOP/s: what ``mfu_matmul`` divides by on an H200
@@ -97,14 +98,15 @@ class MetricsLogger:
             )
 
     def log(self, step: int, scalars: dict[str, float], console: Optional[str] = None) -> None:
-        if not self.enabled:
-            return
-        record = {"step": step, **scalars}
-        self._jsonl.write(json.dumps(record) + "\n")
-        if self._wandb is not None:
-            self._wandb.log({wandb_key(k): v for k, v in scalars.items()}, step=step)
+        """``scalars`` of ``step`` to ``metrics.jsonl`` and wandb (the logging rank); ``console``
+        (the step's line) printed by the logging rank and kept in every rank's log file
+        (:func:`recipes.launch.console.say`)."""
+        if self.enabled:
+            self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+            if self._wandb is not None:
+                self._wandb.log({wandb_key(k): v for k, v in scalars.items()}, step=step)
         if console:
-            print(console, flush=True)
+            say(console, show=self.enabled)
 
     def update_config(self, values: dict[str, Any]) -> None:
         """Add ``values`` to the wandb run config (e.g. the precision map)."""

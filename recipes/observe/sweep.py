@@ -19,7 +19,8 @@ so every file is written to a temporary name and moved into place with ``os.repl
 
 A job dir (one holding ``.hydra/overrides.yaml`` or ``result.json``) without ``result.json`` is
 listed as ``missing``: still running when the summary was written, or killed (OOM, time limit).
-Jobs are labelled by the overrides that differ between jobs, e.g. ``model.dsa_indexer_kpool=4``.
+Jobs are labelled by the overrides that differ between jobs, e.g. ``model.dsa_indexer_kpool=4``
+(``summary.png``: shorter, :func:`short_labels`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,17 @@ from matplotlib.figure import Figure
 from omegaconf import DictConfig, OmegaConf
 
 from recipes.launch.result import RESULT_FILE, RunResult
+from recipes.observe.drift_names import OVERLAP
 from recipes.observe.metrics import VAL_LOSS
+from recipes.observe.plot_style import FAILED_COLOR, LineStyle, distinct_styles, fraction_limits
 from recipes.observe.sweep_jobs import read_launched_jobs, record_launched_jobs
 
 log = logging.getLogger(__name__)
+
+LABEL_VALUE_CHARS = 24
+"""Longest override value shown whole in a plot label."""
+COMPLETED_BAR = "#4c72b0"
+"""The bar colour of completed jobs (not completed: :data:`FAILED_COLOR`)."""
 
 METRICS_FILE = "metrics.jsonl"
 CSV_COLUMNS = (
@@ -200,43 +208,104 @@ def _markdown_text(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _bar(ax: Any, rows: list[dict[str, Any]], key: str, title: str) -> None:
-    shown = [row for row in rows if row[key] is not None]
-    if not shown:
-        ax.text(0.5, 0.5, f"no {key}", ha="center", va="center", transform=ax.transAxes)
-    else:
-        ax.barh([row["label"] for row in shown], [row[key] for row in shown],
-                color=["C0" if row["status"] == "completed" else "C3" for row in shown])
-        ax.invert_yaxis()  # first job on top
-    ax.set_title(title)
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
 
 
-def _plot(path: Path, jobs: list[Job], rows: list[dict[str, Any]]) -> None:
-    fig = Figure(figsize=(16, 5), layout="constrained")
-    loss_ax, tps_ax, mem_ax = fig.subplots(1, 3)
-    for job in jobs:
-        points = [(m["step"], m["loss"]) for m in job.metrics if m.get("loss") is not None]
-        if points:
-            steps, losses = zip(*points)
-            style = "-" if job.status == "completed" else "--"
-            loss_ax.plot(steps, losses, style, label=f"{job.label} ({job.status})")
-    loss_ax.set(title="loss", xlabel="step")
-    if loss_ax.lines:
+def short_labels(jobs: list[Job]) -> list[str]:
+    """Plot labels: each job's swept keys and values, ``key=value`` joined by ``, ``, with the key's
+    last dotted component (``model.dsa_indexer_kpool=4`` -> ``dsa_indexer_kpool=4``; the whole key
+    where two swept keys share that component) and values cut to :data:`LABEL_VALUE_CHARS`; the
+    full overrides stay in ``summary.csv``. A job with no swept key is labelled by its dir name."""
+    per_job = [{_override_key(o): o.split("=", 1)[1] if "=" in o else "" for o in job.overrides}
+               for job in jobs]
+    keys = {k for overrides in per_job for k in overrides}
+    swept = sorted(k for k in keys if len({overrides.get(k) for overrides in per_job}) > 1)
+    tails = [k.rsplit(".", 1)[-1] for k in swept]
+    names = {k: tail if tails.count(tail) == 1 else k for k, tail in zip(swept, tails)}
+
+    def value(text: str) -> str:
+        return text if len(text) <= LABEL_VALUE_CHARS else text[:LABEL_VALUE_CHARS - 1] + "\u2026"
+
+    return [", ".join(f"{names[k]}={value(overrides[k])}" for k in swept if k in overrides)
+            or job.directory.name for job, overrides in zip(jobs, per_job)]
+
+
+def _bar(ax: Any, labels: list[str], rows: list[dict[str, Any]], key: str, title: str, unit: str) -> None:
+    """Every job as a bar (top to bottom in job order): blue-grey when completed, red otherwise;
+    a job without the value gets an empty bar and its status in red text."""
+    y = list(range(len(rows)))
+    values = [row[key] or 0.0 for row in rows]
+    ax.barh(y, values, color=[COMPLETED_BAR if row["status"] == "completed" else FAILED_COLOR for row in rows])
+    for i, row in enumerate(rows):
+        if row[key] is None:
+            ax.text(0, i, f" {row['status']}: no {key}", va="center", color=FAILED_COLOR, fontsize="small")
+    ax.set_yticks(y, labels)
+    ax.invert_yaxis()  # first job on top
+    ax.set(title=title, xlabel=unit)
+
+
+def summary_figure(jobs: list[Job], rows: list[dict[str, Any]]) -> Figure:
+    """The figure of ``summary.png``: loss per step (``val/loss`` as markers), median tokens/s,
+    peak memory and, when a job logged it, the top-k overlap per step (``dsa/topk_overlap``, the
+    layer mean). Every job appears in every panel; jobs that did not complete are red (dashed
+    lines), the others get distinct colours and markers (:func:`distinct_styles`)."""
+    labels = short_labels(jobs)
+    drift = any(m.get(OVERLAP) is not None for job in jobs for m in job.metrics)
+    fig = Figure(figsize=(22 if drift else 16, 5.5), layout="constrained")
+    axes = fig.subplots(1, 4 if drift else 3)
+    loss_ax, tps_ax, mem_ax = axes[:3]
+    styles = iter(distinct_styles(sum(job.status == "completed" for job in jobs)))
+    for job, label in zip(jobs, labels):
+        ok = job.status == "completed"
+        style = next(styles) if ok else LineStyle(FAILED_COLOR, "x")
+        kwargs = {"color": style.color, "marker": style.marker, "markersize": 4,
+                  "linestyle": "-" if ok else "--", "label": label if ok else f"{label} ({job.status})"}
+        _curve(loss_ax, job, "loss", kwargs)
+        val = [(m["step"], m[VAL_LOSS]) for m in job.metrics if m.get(VAL_LOSS) is not None]
+        if val:
+            loss_ax.plot(*zip(*val), color=style.color, marker="D", linestyle="none", markersize=6,
+                         markerfacecolor="none", label=f"{label} val/loss")
+        if drift:
+            _curve(axes[3], job, OVERLAP, kwargs)
+        if not job.metrics:  # in the legend all the same, with what happened
+            loss_ax.plot([], [], **kwargs)
+    loss_ax.set(title="loss", xlabel="step", ylabel="loss (train; val/loss: open diamonds)")
+    if loss_ax.lines:  # a sweep dir with no job yet has none
         loss_ax.legend(fontsize="small")
-    _bar(tps_ax, rows, "tokens_per_s", "tokens/s (median; red: not completed)")
-    _bar(mem_ax, rows, "peak_mem_gib", "peak memory (GiB)")
-    fig.savefig(path, format="png", dpi=100)
+    if drift:
+        overlaps = [float(m[OVERLAP]) for job in jobs for m in job.metrics if m.get(OVERLAP) is not None]
+        axes[3].set_ylim(*fraction_limits(overlaps))
+        axes[3].set(title="top-k drift", xlabel="step", ylabel="top-k overlap (mean over layers)")
+        axes[3].legend(fontsize="small")
+    _bar(tps_ax, labels, rows, "tokens_per_s", "tokens/s (median; red: not completed)", "tokens/s")
+    _bar(mem_ax, labels, rows, "peak_mem_gib", "peak memory (red: not completed)", "GiB")
+    done = sum(row["status"] == "completed" for row in rows)
+    fig.suptitle(f"sweep: {done} of {len(rows)} jobs completed")
+    return fig
+
+
+def _curve(ax: Any, job: Job, key: str, kwargs: dict[str, Any]) -> None:
+    points = [(m["step"], m[key]) for m in job.metrics if m.get(key) is not None]
+    if points:
+        ax.plot(*zip(*points), **kwargs)
+
+
+def read_sweep(sweep_dir: Path) -> tuple[list[Job], list[dict[str, Any]]]:
+    """The labelled jobs of ``sweep_dir`` and their summary rows."""
+    jobs = [load_job(d) for d in find_job_dirs(sweep_dir)]
+    label_jobs(jobs)
+    return jobs, [summary_row(job, sweep_dir) for job in jobs]
 
 
 def write_summary(sweep_dir: Path) -> list[dict[str, Any]]:
     """Writes ``summary.csv``, ``summary.md`` and ``summary.png`` into ``sweep_dir`` from its
     job dirs; returns the rows."""
-    jobs = [load_job(d) for d in find_job_dirs(sweep_dir)]
-    label_jobs(jobs)
-    rows = [summary_row(job, sweep_dir) for job in jobs]
+    jobs, rows = read_sweep(sweep_dir)
     _atomic_write(sweep_dir / "summary.csv", lambda p: p.write_text(_csv_text(rows)))
     _atomic_write(sweep_dir / "summary.md", lambda p: p.write_text(_markdown_text(rows)))
-    _atomic_write(sweep_dir / "summary.png", lambda p: _plot(p, jobs, rows))
+    _atomic_write(sweep_dir / "summary.png",
+                  lambda p: summary_figure(jobs, rows).savefig(p, format="png", dpi=100))
     return rows
 
 

@@ -1,6 +1,7 @@
 """``train.dry_run=true``: build the full model on the ``meta`` device (no memory), print its
 parameter count (total and active per token), a per-rank memory estimate for the chosen
-parallelism and the precision map, then exit. Also the analytic parameter/FLOP model for what
+parallelism (with the overrides of a layout that fits where it does not, :mod:`recipes.plan.fit`)
+and the precision map, then exit. Also the analytic parameter/FLOP model for what
 runs before or without a meta build (MFU, the checkpoint-size preflight): its layer facts come
 from :mod:`kpool_layers.model_facts`, and the tests check it against the meta build.
 """
@@ -14,7 +15,7 @@ from megatron.core import parallel_state as ps
 from omegaconf import DictConfig
 
 from kpool_layers import model_facts
-from recipes.plan import memory_plan
+from recipes.plan import fit, memory_plan
 from recipes.config.megatron import to_transformer_config
 from recipes.observe.metrics import FlopModel
 from recipes.config.schema import Config, ConfigError, ModelConfig
@@ -130,7 +131,8 @@ def dry_run(cfg: Config) -> None:
     print(f"per-rank memory at TP={p.tensor_model_parallel_size} PP={p.pipeline_model_parallel_size} "
           f"EP={p.expert_model_parallel_size} on {p.nodes}x{p.gpus_per_node} GPUs: "
           + ", ".join(f"{k} {v:.1f} GiB" for k, v in mem.items()) + " (activations excluded)")
-    for line in memory_plan.report(cfg, model):
+    groups = memory_plan.parameter_groups(model)
+    for line in memory_plan.report(cfg, model) + fit.report(cfg, groups):
         print(line)
     print_precision_map(model)
 

@@ -55,7 +55,7 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations
 
 
-def _parameter_groups(model: nn.Module) -> tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]:
+def _parameter_groups(model: nn.Module) -> "ParameterGroups":
     """(dense, expert) parameters per decoder layer, and of the embedding / head / MTP parts."""
     layers: dict[int, list[int]] = {}
     parts = {"embedding": [0, 0], "head": [0, 0], "mtp": [0, 0]}
@@ -143,13 +143,28 @@ def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input:
     return kept, max((sum(full[i] for i in unit) for unit in units), default=0.0)
 
 
+ParameterGroups = tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]
+"""(dense, expert) parameter counts per decoder layer, and of the embedding / head / MTP parts."""
+
+
+def parameter_groups(model: nn.Module) -> ParameterGroups:
+    """The :data:`ParameterGroups` of ``model`` (the full model, meta device): what :func:`plan`
+    needs of it, computed once for planning several parallel layouts (:mod:`recipes.plan.fit`)."""
+    return _parameter_groups(model)
+
+
 def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
     """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
+    return plan_groups(cfg, _parameter_groups(model))
+
+
+def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
+    """:func:`plan` from the model's :func:`parameter_groups`."""
     m, p, t = cfg.model, cfg.parallelism, cfg.train
     r = RankSizes.of(cfg)
     tp, pp, ep, etp, dp, wbytes = r.tp, r.pp, r.ep, r.etp, r.dp, r.weight_bytes
     opt_dense, opt_expert = r.adam_bytes_dense, r.adam_bytes_expert
-    per_layer, parts = _parameter_groups(model)
+    per_layer, parts = groups
     sizes = stage_layers(m.num_layers, pp, p.num_layers_in_first_pipeline_stage,
                          p.num_layers_in_last_pipeline_stage)
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
@@ -218,7 +233,12 @@ def report(cfg: Config, model: nn.Module) -> list[str]:
             lines.append(f"    of the activations: logits {s.logits:.1f} GiB{chunks} | "
                          f"recompute working set {s.recompute_working:.1f} GiB{recompute}")
     worst = max(stages, key=lambda s: s.total)
-    verdicts = [f"{name}: {'fits' if worst.total * GIB <= USABLE * gb * 1e9 else 'does not fit'}"
+    verdicts = [f"{name}: {'fits' if fits(worst.total, gb) else 'does not fit'}"
                 for name, gb in GPU_SIZES_GB.items()]
     lines.append(f"largest: stage {worst.stage}, {worst.total:.1f} GiB -> " + " | ".join(verdicts))
     return lines
+
+
+def fits(total_gib: float, gpu_gb: int) -> bool:
+    """Whether a stage of ``total_gib`` fits a GPU of ``gpu_gb`` GB (:data:`USABLE` of it)."""
+    return total_gib * GIB <= USABLE * gpu_gb * 1e9
