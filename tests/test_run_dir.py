@@ -69,3 +69,12 @@ def test_resume_none_starts_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     line = select_run(cmd + ["train.resume=none"])
     assert line.startswith("run ") and "killed" not in line
     assert os.environ["KPOOL_RUN_ID"] == line.split()[1] and f"KPOOL_RUN_ID={line.split()[1]}" in line
+
+
+def test_a_dry_run_does_not_offer_to_resume(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A dry run leaves no run directory, so its first line must not say how to resume one."""
+    monkeypatch.setenv("KPOOL_RUN_ROOT", str(tmp_path))
+    monkeypatch.setenv("KPOOL_RUN_ID", "plan")
+    line = select_run(["model=glm5_tiny", "train.dry_run=true"])
+    assert line == "dry run of run plan: plans the run and writes no run directory"
+    assert "resume" in select_run(["model=glm5_tiny"])

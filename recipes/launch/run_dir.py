@@ -64,5 +64,7 @@ def select_run(overrides: list[str]) -> str:
                 f"{previous}; train.resume=none starts a fresh run")
     rid = check_run_id(run_id())
     os.environ["KPOOL_RUN_ID"] = rid
+    if any(o.lower() in ("train.dry_run=true", "++train.dry_run=true", "+train.dry_run=true") for o in overrides):
+        return f"dry run of run {rid}: plans the run and writes no run directory"
     return (f"run {rid} in {run_root() / rid}; to resume it, rerun this command "
             f"(or set KPOOL_RUN_ID={rid})")
