@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -62,6 +62,8 @@ from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.linear_attention.backends import DeltaRule, delta_rule
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_spec
+from kpool_layers.precision.policy import Role
 
 
 @dataclass
@@ -81,14 +83,18 @@ class KDASubmodules:
 
 
 def kda_spec(config: GLMTransformerConfig) -> ModuleSpec:
-    """:class:`KimiDeltaAttention` on megatron's local parallel linears with the delta rule of
+    """:class:`KimiDeltaAttention` on megatron's local parallel linears, tagged with their precision
+    roles (``kda.qkv`` for q/k/v, ``kda.gate`` for the forget/output gate projections and beta,
+    ``kda.out``; :mod:`kpool_layers.precision.linears`), with the delta rule of
     ``config.linear_attention_kernels``."""
-    col = ColumnParallelLinear
+    col = partial(role_spec, RoleColumnParallelLinear)
     return ModuleSpec(
         module=KimiDeltaAttention,
-        submodules=KDASubmodules(linear_q=col, linear_k=col, linear_v=col, linear_f_a=col,
-                                 linear_f_b=col, linear_beta=col, linear_g_a=col, linear_g_b=col,
-                                 linear_proj=RowParallelLinear),
+        submodules=KDASubmodules(
+            linear_q=col(Role.KDA_QKV), linear_k=col(Role.KDA_QKV), linear_v=col(Role.KDA_QKV),
+            linear_f_a=col(Role.KDA_GATE), linear_f_b=col(Role.KDA_GATE),
+            linear_beta=col(Role.KDA_GATE), linear_g_a=col(Role.KDA_GATE),
+            linear_g_b=col(Role.KDA_GATE), linear_proj=role_spec(RoleRowParallelLinear, Role.KDA_OUT)),
         params={"kernel": delta_rule(config.linear_attention_kernels)},
     )
 
@@ -241,6 +247,21 @@ class KimiDeltaAttention(MegatronModule):
             dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
             dt = dt.clamp_min(1e-4)
             self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    FP32_PARAMETERS = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
+    """Held in FP32 whatever the model dtype (transformers keeps them in FP32 too)."""
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
+        """Module casts/moves, except that :attr:`FP32_PARAMETERS` never drop below FP32
+        (megatron's ``Float16Module`` calls ``module.bfloat16()``)."""
+        module = super()._apply(fn, recurse)
+        for name in self.FP32_PARAMETERS:
+            param = getattr(self, name, None)
+            if param is not None and param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
+                if param.grad is not None:
+                    param.grad = param.grad.float()
+        return module
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

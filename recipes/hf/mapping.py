@@ -105,6 +105,20 @@ class IndexerRope:
 
 
 @dataclass(frozen=True)
+class Conv1dWeight:
+    """transformers' depthwise ``conv1d.weight [C, 1, K]`` <-> our ``[C, K]``."""
+
+    def to_megatron(self, hf: list[torch.Tensor]) -> torch.Tensor:
+        (tensor,) = hf
+        if tensor.dim() != 3 or tensor.shape[1] != 1:
+            raise ValueError(f"a depthwise conv1d weight is [C, 1, K], got {tuple(tensor.shape)}")
+        return tensor[:, 0].contiguous()
+
+    def to_hf(self, megatron: torch.Tensor) -> list[torch.Tensor]:
+        return [megatron.unsqueeze(1).contiguous()]
+
+
+@dataclass(frozen=True)
 class TensorMap:
     """One megatron tensor and the HF tensors it is made of."""
 
@@ -147,10 +161,31 @@ def _swiglu(meg: str, hf: str) -> list[TensorMap]:
             TensorMap(f"{meg}linear_fc2.weight", (f"{hf}down_proj.weight",))]
 
 
+def kda_maps(att: str, hatt: str) -> list[TensorMap]:
+    """A KDA layer's attention (``kpool_layers.linear_attention.kda``; transformers'
+    ``Glm5NextTextLinearAttention`` in its checkpoint names: forget gate and conv per q/k/v flat
+    under ``self_attn``)."""
+    names = {"linear_q": "q_proj", "linear_k": "k_proj", "linear_v": "v_proj", "linear_f_a": "f_a_proj",
+             "linear_f_b": "f_b_proj", "linear_beta": "b_proj", "linear_g_a": "g_a_proj",
+             "linear_g_b": "g_b_proj", "linear_proj": "o_proj"}
+    maps = [TensorMap(f"{att}{ours}.weight", (f"{hatt}{theirs}.weight",)) for ours, theirs in names.items()]
+    maps += [TensorMap(f"{att}conv_{x}", (f"{hatt}{x}_conv1d.weight",), Conv1dWeight()) for x in "qkv"]
+    return maps + [TensorMap(f"{att}dt_bias", (f"{hatt}dt_bias",)),
+                   TensorMap(f"{att}A_log", (f"{hatt}A_log",)),
+                   TensorMap(f"{att}out_norm_weight", (f"{hatt}o_norm.weight",))]
+
+
 def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> list[TensorMap]:
     """One decoder layer: megatron prefix ``meg`` (``decoder.layers.3.``), HF prefix ``hf``
-    (``model.layers.3.``), 1-indexed ``layer_number`` for IndexShare."""
+    (``model.layers.3.``), 1-indexed ``layer_number`` for the layer pattern (KDA or DSA,
+    IndexShare; :class:`kpool_layers.model_facts.LayerPattern`)."""
     att, hatt = f"{meg}self_attention.", f"{hf}self_attn."
+    pattern = model_facts.LayerPattern.of(model)
+    if pattern.is_linear_attention(layer_number):
+        maps = [TensorMap(f"{meg}input_layernorm.weight", (f"{hf}input_layernorm.weight",)),
+                *kda_maps(att, hatt),
+                TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
+        return maps + _mlp_maps(model, meg, hf, moe)
     maps = [TensorMap(f"{meg}input_layernorm.weight", (f"{hf}input_layernorm.weight",)),
             TensorMap(f"{att}linear_q_down_proj.weight", (f"{hatt}q_a_proj.weight",)),
             TensorMap(f"{att}q_layernorm.weight", (f"{hatt}q_a_layernorm.weight",)),
@@ -160,8 +195,14 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
             TensorMap(f"{att}linear_kv_up_proj.weight", (f"{hatt}kv_b_proj.weight",)),
             TensorMap(f"{att}linear_proj.weight", (f"{hatt}o_proj.weight",)),
             TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
-    if model_facts.computes_topk(layer_number, model.dsa_indexer_topk_freq, model.dsa_indexer_skip_topk_offset):
+    if pattern.computes_topk(layer_number):
         maps += _indexer(model, f"{att}indexer.", f"{hatt}indexer.")
+    return maps + _mlp_maps(model, meg, hf, moe)
+
+
+def _mlp_maps(model: Any, meg: str, hf: str, moe: bool) -> list[TensorMap]:
+    """A layer's dense MLP or MoE (router, every routed expert, the shared expert)."""
+    maps: list[TensorMap] = []
     if not moe:
         return maps + _swiglu(f"{meg}mlp.", f"{hf}mlp.")
     maps += [TensorMap(f"{meg}mlp.router.weight", (f"{hf}mlp.gate.weight",)),
