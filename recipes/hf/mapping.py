@@ -134,10 +134,14 @@ class Mapping:
 
     maps: tuple[TensorMap, ...]
     aliases: dict[str, str]
+    inert: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    """HF tensors that cannot change the HF model's output, name -> (shape, the value export
+    writes): glm5_next's KPool gate and ape at ``index_kpool`` 1 (a softmax over one slot is 1).
+    Import checks their shape; our model has no such parameter."""
 
     def hf_names(self) -> set[str]:
-        """Every HF tensor name the mapping reads or writes (aliases included)."""
-        return {name for m in self.maps for name in m.hf} | set(self.aliases)
+        """Every HF tensor name the mapping reads or writes (aliases and inert tensors included)."""
+        return {name for m in self.maps for name in m.hf} | set(self.aliases) | set(self.inert)
 
 
 def _indexer(model: Any, meg: str, hf: str) -> list[TensorMap]:
@@ -244,7 +248,23 @@ def build_mapping(model: Any) -> Mapping:
             "lm_head.weight" if model.untie_embeddings_and_output_weights else "model.embed_tokens.weight")
     if model.untie_embeddings_and_output_weights:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",)))
-    return Mapping(maps=tuple(maps), aliases=aliases)
+    return Mapping(maps=tuple(maps), aliases=aliases, inert=_inert_kpool(model))
+
+
+def _inert_kpool(model: Any) -> dict[str, tuple[tuple[int, ...], float]]:
+    """glm5_next builds ``index_kpool_compress_ape [1, D]`` (init 0) and ``_gate [D, hidden]``
+    (init 1) in every indexer, also at ``index_kpool`` 1 where pooling one key is the identity;
+    models with KDA layers are glm5_next models (:mod:`recipes.hf.config`)."""
+    pattern = model_facts.LayerPattern.of(model)
+    if model.dsa_indexer_kpool != 1 or not pattern.hybrid:
+        return {}
+    d = model.dsa_indexer_head_dim
+    out: dict[str, tuple[tuple[int, ...], float]] = {}
+    for n in pattern.topk_layers():
+        prefix = f"model.layers.{n - 1}.self_attn.indexer."
+        out[f"{prefix}index_kpool_compress_ape"] = ((1, d), 0.0)
+        out[f"{prefix}index_kpool_compress_gate"] = ((d, model.hidden_size), 1.0)
+    return out
 
 
 def check_hf_names(mapping: Mapping, present: set[str]) -> None:
