@@ -208,3 +208,74 @@ def test_layer_pattern_facts_follow_megatron_and_transformers() -> None:
                                  linear_attention_freq=[1, 0, 0, 1, 0])
     assert p.topk_layers() == [2] and p.topk_source_layer(3) == 2 and p.topk_source_layer(5) == 2
     assert p.shares_topk and p.hf_shareable() == 5
+
+
+def _compose_raw(overrides: list[str]):  # noqa: ANN202
+    """The composed DictConfig (as ``validate`` sees it), fp32."""
+    from hydra import compose, initialize_config_dir
+
+    from tests.test_model_facts import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides + ["precision=fp32"])
+
+
+def _compose(overrides: list[str]):  # noqa: ANN202
+    from recipes.config.typed import to_config
+
+    return to_config(_compose_raw(overrides))
+
+
+def test_analytic_param_count_matches_the_meta_build_of_the_hybrid(single_rank_parallel_state) -> None:
+    from recipes.config.megatron import to_transformer_config
+    from recipes.plan.dry_run import analytic_param_count
+    from recipes.train.model import build_gpt_model, count_parameters, meta_init
+
+    cfg = _compose(["model=glm5_3_flash_tiny"])
+    tcfg = to_transformer_config(cfg)
+    with meta_init(tcfg):
+        model = build_gpt_model(cfg, tcfg)
+    counted = count_parameters(model, tcfg)
+    assert analytic_param_count(cfg.model) == (counted.total, counted.active_per_token)
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    assert kinds == ["KimiDeltaAttention", "GLMSparseMLA", "GLMSparseMLA", "KimiDeltaAttention", "GLMSparseMLA"]
+    assert [layer.self_attention.indexer is not None for layer in model.decoder.layers if kinds[0] != type(
+        layer.self_attention).__name__] == [True, False, True]
+
+
+def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
+    """``model=glm5_3_flash`` against ``Glm5NextTextModel()`` (defaults) on the meta device plus
+    its lm_head, without the mHC tensors (``attn_hc`` / ``ffn_hc``, not built here)."""
+    from recipes.plan.dry_run import analytic_param_count
+
+    with torch.device("meta"):
+        hf = Glm5NextTextModel(transformers.Glm5NextTextConfig(hc_mult=1))
+    hc = sum(p.numel() for name, p in hf.named_parameters() if "_hc." in name)
+    hf_total = sum(p.numel() for p in hf.parameters()) - hc + hf.config.vocab_size * hf.config.hidden_size
+    m = _compose(["model=glm5_3_flash"]).model
+    assert analytic_param_count(m)[0] == hf_total
+    assert model_facts.LayerPattern.of(m).layer_types() == hf.config.layer_types
+
+
+def test_config_rules_name_the_key() -> None:
+    from omegaconf import OmegaConf
+
+    from recipes.config.rules import validate
+    from recipes.config.schema import ConfigError
+
+    cases = {
+        "model.linear_attention_freq": ["model.linear_attention_freq=[1,0]"],
+        "model.dsa_indexer_types": ["model.dsa_indexer_types=[full,shared,full,full,full]"],
+        "parallelism.context_parallel_size": ["parallelism.context_parallel_size=2", "data.seq_length=64"],
+        "model.mtp_num_layers": ["model.mtp_num_layers=1"],
+        "model.linear_num_value_heads": ["model.linear_num_value_heads=2"],
+        "model.dsa_indexer_topk_freq": ["model.dsa_indexer_topk_freq=2", "model.dsa_indexer_types=null"],
+    }
+    for key, overrides in cases.items():
+        cfg = _compose_raw(["model=glm5_3_flash_tiny", *overrides])
+        world = 2 if key.startswith("parallelism") else 1
+        with pytest.raises(ConfigError) as err:
+            validate(cfg, world)
+        assert err.value.key == key, (key, str(err.value))
+    validate(_compose_raw(["model=glm5_3_flash_tiny"]), 1)
+    assert OmegaConf.is_config(_compose_raw(["model=glm5_3_flash"]))
