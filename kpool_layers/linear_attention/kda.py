@@ -36,6 +36,7 @@ last entry form one more document. ``attention_mask`` is not read. Context paral
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import partial
@@ -233,20 +234,39 @@ class KimiDeltaAttention(MegatronModule):
     def reset_parameters(self) -> None:
         """transformers' initialisation: conv ``U(-1/sqrt(K_c), 1/sqrt(K_c))`` (PyTorch's
         ``Conv1d`` default), ``A_log`` 0 with a lower bound (else ``log U(1, 16)``), ``dt_bias``
-        the inverse softplus of ``exp(U(log 1e-3, log 1e-1))``, output norm weight 1."""
+        the inverse softplus of ``exp(U(log 1e-3, log 1e-1))``, output norm weight 1.
+
+        As megatron initialises its parallel linears: with ``use_cpu_initialization`` each
+        tensor is drawn whole from the default generator (the same on every TP rank) and this
+        rank's rows are kept, so the model does not depend on TP; otherwise each rank draws its
+        shard under the model-parallel RNG tracker."""
         if not self.config.perform_initialization:
             return
-        with get_cuda_rng_tracker().fork(), torch.no_grad():
+        tp = get_pg_size(self.tp_group)
+        rank = self.tp_group.rank() if tp > 1 else 0
+        whole = self.config.use_cpu_initialization
+
+        def draw(param: torch.nn.Parameter, fill: Any) -> None:
+            if not whole:
+                param.copy_(fill(torch.empty_like(param)))
+                return
+            full = fill(torch.empty((param.shape[0] * tp, *param.shape[1:]), dtype=param.dtype))
+            param.copy_(full.chunk(tp, dim=0)[rank])
+
+        def inverse_softplus_dt(t: Tensor) -> Tensor:
+            dt = t.uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            return dt + torch.log(-torch.expm1(-dt))
+
+        rng = contextlib.nullcontext() if whole else get_cuda_rng_tracker().fork()
+        with rng, torch.no_grad():
             bound = 1.0 / math.sqrt(self.conv_q.shape[1])
             for conv in (self.conv_q, self.conv_k, self.conv_v):
-                conv.uniform_(-bound, bound)
+                draw(conv, lambda t: t.uniform_(-bound, bound))
             if self.lower_bound is not None:
                 self.A_log.zero_()
             else:
-                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
-            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-            dt = dt.clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+                draw(self.A_log, lambda t: t.uniform_(1.0, 16.0).log())
+            draw(self.dt_bias, inverse_softplus_dt)
 
     FP32_PARAMETERS = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
     """Held in FP32 whatever the model dtype (transformers keeps them in FP32 too)."""
