@@ -270,10 +270,14 @@ def test_config_rules_name_the_key() -> None:
         "model.mtp_num_layers": ["model.mtp_num_layers=1"],
         "model.linear_num_value_heads": ["model.linear_num_value_heads=2"],
         "model.dsa_indexer_topk_freq": ["model.dsa_indexer_topk_freq=2", "model.dsa_indexer_types=null"],
+        "train.cuda_graph_impl": ["train.cuda_graph_impl=full_iteration"],
+        "parallelism.pipeline_model_parallel_size": [  # stage 2 would start on the shared layer 3
+            "parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=2",
+            "parallelism.num_layers_in_last_pipeline_stage=3"],
     }
     for key, overrides in cases.items():
         cfg = _compose_raw(["model=glm5_3_flash_tiny", *overrides])
-        world = 2 if key.startswith("parallelism") else 1
+        world = 2 if any(o.startswith("parallelism") for o in overrides) else 1
         with pytest.raises(ConfigError) as err:
             validate(cfg, world)
         assert err.value.key == key, (key, str(err.value))

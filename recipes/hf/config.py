@@ -294,7 +294,8 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
         "index_topk": m.dsa_indexer_topk,
         "index_topk_freq": m.dsa_indexer_topk_freq,
         "index_skip_topk_offset": m.dsa_indexer_skip_topk_offset,
-        "indexer_types": indexer_types(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset),
+        "indexer_types": (indexer_types(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset)
+                          if m.dsa_indexer_types is None else list(m.dsa_indexer_types)),
         "n_routed_experts": m.num_moe_experts,
         "num_experts_per_tok": m.moe_router_topk,
         "moe_intermediate_size": m.moe_ffn_hidden_size,
