@@ -255,6 +255,16 @@ def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
     m = _compose(["model=glm5_3_flash"]).model
     assert analytic_param_count(m)[0] == hf_total
     assert model_facts.LayerPattern.of(m).layer_types() == hf.config.layer_types
+    # FLOP model: sparse attention and indexer on the 11 DSA layers, the delta rule on the 34 KDA
+    # layers at 64 heads x (6 D^2 + 10 C D), D = 128, C = 64 (3x for forward + backward).
+    from dataclasses import replace
+
+    from recipes.plan.dry_run import flop_model
+
+    flops = flop_model(_compose(["model=glm5_3_flash"]))
+    assert (flops.num_layers, flops.index_layers, flops.kda_layers) == (11, 11, 34)
+    kda = 3 * 34 * 64 * (6 * 128 * 128 + 10 * 64 * 128)
+    assert flops.per_token(4096) - replace(flops, kda_layers=0).per_token(4096) == kda
 
 
 def test_config_rules_name_the_key() -> None:
