@@ -71,3 +71,17 @@ def test_every_precision_profile_builds_it(single_rank_parallel_state) -> None:
         kda = model.decoder.layers[0].self_attention
         kda.bfloat16()
         assert kda.A_log.dtype == kda.dt_bias.dtype == kda.conv_q.dtype == torch.float32
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_fla_first_step_matches_torch_kernels(tmp_path: Path) -> None:
+    """On a GPU: the tiny hybrid in bf16 with the fla delta rule against the torch one (same
+    weights and data): the first step's loss agrees within bf16 rounding of the layer outputs
+    (bound: 5 layers x 5 bf16 ulps of 2^-8 each on the loss), and 3 steps train."""
+    gpu = ["model=glm5_3_flash_tiny", "precision=bf16", "data.seq_length=256", "logging.mode=disabled",
+           "train.steps=3", "train.lr_warmup_steps=0", "precision.drift.interval=0"]
+    run_train(tmp_path, "fla", gpu + ["model.linear_attention_kernels=fla"])
+    run_train(tmp_path, "torch", gpu + ["model.linear_attention_kernels=torch"])
+    fla, ref = _losses(tmp_path / "fla"), _losses(tmp_path / "torch")
+    assert sorted(fla) == [1, 2, 3]
+    assert abs(fla[1] - ref[1]) < 5 * 2**-8 * 5, (fla, ref)
