@@ -49,6 +49,12 @@ class GLMTransformerConfig(MLATransformerConfig):
     """KDA forget gate: ``lower_bound * sigmoid(exp(A_log) * f)``; None: ``-exp(A_log) softplus(f)``
     (transformers' ``linear_lower_bound``, GLM-5.3: -5)."""
 
+    dsa_indexer_types: list[str] | None = None
+    """Per decoder layer ``full`` (runs its indexer) or ``shared`` (uses the top-k of the nearest
+    earlier ``full`` DSA layer), transformers' ``indexer_types``; entries of KDA layers are not
+    read. None: the ``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset`` schedule
+    (:class:`kpool_layers.model_facts.LayerPattern`)."""
+
     mla_latent_norm_epsilon: float | None = None
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
     model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
@@ -86,15 +92,28 @@ class GLMTransformerConfig(MLATransformerConfig):
         tail = self.dsa_indexer_kpool - 1 if self.dsa_indexer_kpool_always_select_tail else 0
         return int(self.dsa_indexer_topk or 0) + tail
 
+    @property
+    def layer_pattern(self) -> model_facts.LayerPattern:
+        """Which layers are KDA (megatron's ``linear_attention_freq``) and which DSA layers
+        compute their top-k (:class:`kpool_layers.model_facts.LayerPattern`)."""
+        return model_facts.LayerPattern.of(self)
+
+    def is_linear_attention(self, layer_number: int) -> bool:
+        """Whether layer ``layer_number`` is a KDA layer (``linear_attention_freq``)."""
+        return self.layer_pattern.is_linear_attention(layer_number)
+
+    @property
+    def shares_topk(self) -> bool:
+        """Whether some DSA layer reuses another layer's top-k (IndexShare)."""
+        return self.layer_pattern.shares_topk
+
     def computes_topk(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` runs its own indexer (IndexShare, ``model_facts``)."""
-        return model_facts.computes_topk(layer_number, self.dsa_indexer_topk_freq,
-                                         self.dsa_indexer_skip_topk_offset)
+        return self.layer_pattern.computes_topk(layer_number)
 
     def topk_source_layer(self, layer_number: int) -> int:
         """The computing layer whose top-k layer ``layer_number`` uses (itself if it computes)."""
-        return model_facts.topk_source_layer(layer_number, self.dsa_indexer_topk_freq,
-                                             self.dsa_indexer_skip_topk_offset)
+        return self.layer_pattern.topk_source_layer(layer_number)
 
     def is_moe(self, layer_number: int) -> bool:
         """Whether layer ``layer_number`` is an MoE layer under ``moe_layer_freq``."""

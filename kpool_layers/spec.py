@@ -1,7 +1,8 @@
 """Layer and block specs for GLM-5.x decoders on megatron-core's ``TransformerLayer``.
 
 Each layer is megatron's ``TransformerLayer`` with our attention in the ``self_attention`` slot
-(``kpool_layers.mla.attention``), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
+(``kpool_layers.mla.attention``'s DSA MLA, or ``kpool_layers.linear_attention.kda``'s KDA on the
+layers megatron's ``linear_attention_freq`` makes linear-attention layers), megatron's dense ``MLP`` for the first ``moe_layer_freq == 0`` layers
 and megatron's ``MoELayer`` (router, experts, shared expert, token dispatcher) for the rest, as
 :class:`kpool_layers.moe.layer.GLMMoELayer` (megatron's allgather dispatch without host syncs
 where all experts are local).
@@ -41,6 +42,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.linear_attention.kda import kda_spec
 from kpool_layers.moe.experts import GroupedExperts
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
 from kpool_layers.moe.router import FusedTopKRouter
@@ -99,11 +101,23 @@ def glm_layer_spec(config: GLMTransformerConfig, attention: ModuleSpec, moe: boo
     )
 
 
+def layer_attention_spec(config: GLMTransformerConfig, attention: ModuleSpec, layer_number: int) -> ModuleSpec:
+    """The ``self_attention`` spec of decoder layer ``layer_number``: KDA
+    (:func:`kpool_layers.linear_attention.kda.kda_spec`) where megatron's ``linear_attention_freq``
+    makes it a linear-attention layer, else ``attention`` (the DSA MLA spec)."""
+    if config.is_linear_attention(layer_number):
+        return kda_spec(config)
+    return attention
+
+
 def glm_decoder_block_spec(
     config: GLMTransformerConfig, attention: ModuleSpec, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds (all of them when PP = 1) and the final norm."""
-    layers = [glm_layer_spec(config, attention, config.is_moe(n)) for n in range(1, config.num_layers + 1)]
+    """The layers this pipeline stage builds (all of them when PP = 1) and the final norm. Each
+    layer's spec is chosen by its number: KDA or DSA attention (:func:`layer_attention_spec`),
+    dense MLP or MoE (``moe_layer_freq``); megatron's ``TransformerBlock`` builds the list."""
+    layers = [glm_layer_spec(config, layer_attention_spec(config, attention, n), config.is_moe(n))
+              for n in range(1, config.num_layers + 1)]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     per_stage = get_num_layers_to_build(config, pp_rank=pp_rank)  # uneven first/last stages too
     return TransformerBlockSubmodules(

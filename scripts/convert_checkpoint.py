@@ -181,6 +181,9 @@ def _import_into(hf_dir: str | os.PathLike, out: Path, model: str | None) -> Dic
     for alias, target in mapping.aliases.items():
         if alias in present and not torch.equal(reader.get(alias), reader.get(target)):
             raise ValueError(f"{alias} differs from {target}; megatron's MTP shares that tensor")
+    for name, (shape, _) in mapping.inert.items():
+        if name in present and tuple(reader.get(name).shape) != shape:
+            raise ValueError(f"{name}: shape {tuple(reader.get(name).shape)}, expected {shape}")
     sharded, shapes = meta_sharded_state_dict(model_cfg)
     by_name = _tensor_entries(sharded, mapping)
     dtypes = {name: reader.dtype(m.hf[0]) for name, m in by_name.items()}
@@ -278,8 +281,10 @@ def _export_into(ckpt: str | os.PathLike, hf_out: Path, model: str | None, fp8: 
     dtype_counts: dict[torch.dtype, int] = {}
     for maps in groups.values():
         _export_group(writer, ckpt, maps, sharded, shapes, dtypes, aliases_of, fp8, dtype_counts)
-    writer.finish()
     main_dtype = max(dtype_counts, key=dtype_counts.get)
+    for name, (shape, value) in mapping.inert.items():
+        writer.add(name, torch.full(shape, value, dtype=main_dtype))
+    writer.finish()
     config = hf_config_from_model(model_cfg, str(main_dtype).removeprefix("torch."))
     if fp8:
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -16,11 +16,12 @@ from recipes.observe.precision_map import profile_policy
 ALWAYS = {"mlp.fc1", "mlp.fc2", "moe.expert_fc1", "moe.expert_fc2", "moe.shared_fc1", "moe.shared_fc2"}
 MLA = {"mla.q_down", "mla.q_up", "mla.kv_down", "mla.kv_up", "mla.out"}
 INDEXER_QK = {"indexer.q", "indexer.k", "indexer.kpool_gate"}
+KDA_PROJ = {"kda.qkv", "kda.out"}  # attention projections, MLA's switch; kda.gate never FP8
 
 EXPECTED_QUANTIZED = {
     "bf16": set(),
     "fp32": set(),
-    "fp8": ALWAYS | MLA | INDEXER_QK | {"indexer.weights"},
+    "fp8": ALWAYS | MLA | KDA_PROJ | INDEXER_QK | {"indexer.weights"},
     "serving_match": ALWAYS,
 }
 
@@ -35,7 +36,7 @@ def test_profile_routing_table(name):
     policy = profile_policy(name)
     got = {role.value for role in Role if policy.quantized(role)}
     assert got == EXPECTED_QUANTIZED[name]
-    assert len(Role) == 18
+    assert len(Role) == 21
 
 
 def test_profile_dtypes_and_flags():

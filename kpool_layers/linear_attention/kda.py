@@ -36,15 +36,16 @@ last entry form one more document. ``attention_mask`` is not read. Context paral
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -58,6 +59,8 @@ from torch import Tensor
 from kpool_layers.compat.attention_slot import AttentionSlotLayer
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.linear_attention.backends import DeltaRule, delta_rule
+from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_spec
+from kpool_layers.precision.policy import Role
 
 
 @dataclass
@@ -77,14 +80,18 @@ class KDASubmodules:
 
 
 def kda_spec(config: GLMTransformerConfig) -> ModuleSpec:
-    """:class:`KimiDeltaAttention` on megatron's local parallel linears with the delta rule of
+    """:class:`KimiDeltaAttention` on megatron's local parallel linears, tagged with their precision
+    roles (``kda.qkv`` for q/k/v, ``kda.gate`` for the forget/output gate projections and beta,
+    ``kda.out``; :mod:`kpool_layers.precision.linears`), with the delta rule of
     ``config.linear_attention_kernels``."""
-    col = ColumnParallelLinear
+    col = partial(role_spec, RoleColumnParallelLinear)
     return ModuleSpec(
         module=KimiDeltaAttention,
-        submodules=KDASubmodules(linear_q=col, linear_k=col, linear_v=col, linear_f_a=col,
-                                 linear_f_b=col, linear_beta=col, linear_g_a=col, linear_g_b=col,
-                                 linear_proj=RowParallelLinear),
+        submodules=KDASubmodules(
+            linear_q=col(Role.KDA_QKV), linear_k=col(Role.KDA_QKV), linear_v=col(Role.KDA_QKV),
+            linear_f_a=col(Role.KDA_GATE), linear_f_b=col(Role.KDA_GATE),
+            linear_beta=col(Role.KDA_GATE), linear_g_a=col(Role.KDA_GATE),
+            linear_g_b=col(Role.KDA_GATE), linear_proj=role_spec(RoleRowParallelLinear, Role.KDA_OUT)),
         params={"kernel": delta_rule(config.linear_attention_kernels)},
     )
 
@@ -223,20 +230,54 @@ class KimiDeltaAttention(AttentionSlotLayer):
     def reset_parameters(self) -> None:
         """transformers' initialisation: conv ``U(-1/sqrt(K_c), 1/sqrt(K_c))`` (PyTorch's
         ``Conv1d`` default), ``A_log`` 0 with a lower bound (else ``log U(1, 16)``), ``dt_bias``
-        the inverse softplus of ``exp(U(log 1e-3, log 1e-1))``, output norm weight 1."""
+        the inverse softplus of ``exp(U(log 1e-3, log 1e-1))``, output norm weight 1.
+
+        As megatron initialises its parallel linears: with ``use_cpu_initialization`` each
+        tensor is drawn whole from the default generator (the same on every TP rank) and this
+        rank's rows are kept, so the model does not depend on TP; otherwise each rank draws its
+        shard under the model-parallel RNG tracker."""
         if not self.config.perform_initialization:
             return
-        with get_cuda_rng_tracker().fork(), torch.no_grad():
+        tp = get_pg_size(self.tp_group)
+        rank = self.tp_group.rank() if tp > 1 else 0
+        whole = self.config.use_cpu_initialization
+
+        def draw(param: torch.nn.Parameter, fill: Any) -> None:
+            if not whole:
+                param.copy_(fill(torch.empty_like(param)))
+                return
+            full = fill(torch.empty((param.shape[0] * tp, *param.shape[1:]), dtype=param.dtype))
+            param.copy_(full.chunk(tp, dim=0)[rank])
+
+        def inverse_softplus_dt(t: Tensor) -> Tensor:
+            dt = t.uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            return dt + torch.log(-torch.expm1(-dt))
+
+        rng = contextlib.nullcontext() if whole else get_cuda_rng_tracker().fork()
+        with rng, torch.no_grad():
             bound = 1.0 / math.sqrt(self.conv_q.shape[1])
             for conv in (self.conv_q, self.conv_k, self.conv_v):
-                conv.uniform_(-bound, bound)
+                draw(conv, lambda t: t.uniform_(-bound, bound))
             if self.lower_bound is not None:
                 self.A_log.zero_()
             else:
-                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
-            dt = torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp()
-            dt = dt.clamp_min(1e-4)
-            self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+                draw(self.A_log, lambda t: t.uniform_(1.0, 16.0).log())
+            draw(self.dt_bias, inverse_softplus_dt)
+
+    FP32_PARAMETERS = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
+    """Held in FP32 whatever the model dtype (transformers keeps them in FP32 too)."""
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
+        """Module casts/moves, except that :attr:`FP32_PARAMETERS` never drop below FP32
+        (megatron's ``Float16Module`` calls ``module.bfloat16()``)."""
+        module = super()._apply(fn, recurse)
+        for name in self.FP32_PARAMETERS:
+            param = getattr(self, name, None)
+            if param is not None and param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
+                if param.grad is not None:
+                    param.grad = param.grad.float()
+        return module
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:

@@ -232,9 +232,9 @@ class GLMSparseMLA(AttentionSlotLayer):
         self.softmax_scale = mla_softmax_scale(config)
         self.rotary = Rotary.from_config(config) if config.qk_pos_emb_head_dim > 0 else None
 
-        shares = config.dsa_indexer_topk_freq > 1
+        shares = config.shares_topk
         if shares and topk_share is None:
-            raise ValueError("dsa_indexer_topk_freq > 1 (IndexShare) needs a TopKShare "
+            raise ValueError("IndexShare (dsa_indexer_topk_freq > 1 or shared dsa_indexer_types) needs a TopKShare "
                              "(build the layers from glm_attention_spec)")
         self.topk_share = topk_share if shares else None
         self.computes_topk = config.computes_topk(layer_number)

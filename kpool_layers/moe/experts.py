@@ -2,7 +2,8 @@
 
 :class:`GroupedExperts` is a drop-in for megatron's ``SequentialMLP`` (same constructor and
 ``forward`` interface, used with megatron's router and token dispatcher, EP and expert-TP as
-megatron shards them) whose local experts run as two grouped GEMMs instead of one MLP each
+megatron shards them; the SwiGLU clamp ``activation_func_clamp_value`` as megatron's unfused GLU
+applies it: gate ``<= limit``, up in ``[-limit, limit]``) whose local experts run as two grouped GEMMs instead of one MLP each
 (:mod:`kpool_layers.moe.grouped_gemm`): ``torch.nn.functional.grouped_mm`` (``torch._grouped_mm`` on
 releases without the public name) on CUDA, a per-expert loop of ``x_e @ w_e.T`` elsewhere (CPU
 tests), same results up to summation order.
@@ -147,6 +148,8 @@ class GroupedExperts(MegatronModule):
         h = expert_linear(x, self.weight1, tokens_per_expert, self.numerics["weight1"], kernel)
         if self.glu == 2:
             gate, up = torch.chunk(h, 2, dim=-1)
+            if (limit := self.config.activation_func_clamp_value) is not None:  # megatron's GLU clamp
+                gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
             h = self.config.activation_func(gate) * up
         else:
             h = self.config.activation_func(h)
@@ -221,7 +224,6 @@ def _check_supported(config: TransformerConfig) -> None:
         "add_bias_linear": config.add_bias_linear,
         "moe_apply_probs_on_input": config.moe_apply_probs_on_input,
         "moe_latent_size": config.moe_latent_size is not None,
-        "activation_func_clamp_value": config.activation_func_clamp_value is not None,
         "glu_linear_offset": bool(config.glu_linear_offset),
         "bias_activation_fusion": config.bias_activation_fusion,
         "fp8 (Transformer Engine)": bool(config.fp8),

@@ -47,6 +47,9 @@ class Role(str, enum.Enum):
     INDEXER_K = "indexer.k"
     INDEXER_WEIGHTS = "indexer.weights"
     INDEXER_KPOOL_GATE = "indexer.kpool_gate"
+    KDA_QKV = "kda.qkv"
+    KDA_GATE = "kda.gate"
+    KDA_OUT = "kda.out"
     MLP_FC1 = "mlp.fc1"
     MLP_FC2 = "mlp.fc2"
     MOE_EXPERT_FC1 = "moe.expert_fc1"
@@ -60,7 +63,10 @@ class Role(str, enum.Enum):
 
 _MLA_ROLES = {Role.MLA_Q_DOWN, Role.MLA_Q_UP, Role.MLA_KV_DOWN, Role.MLA_KV_UP, Role.MLA_OUT}
 _INDEXER_QK_ROLES = {Role.INDEXER_Q, Role.INDEXER_K, Role.INDEXER_KPOOL_GATE}
-_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT}
+_KDA_PROJ_ROLES = {Role.KDA_QKV, Role.KDA_OUT}
+"""KDA's q/k/v and output projections: attention projections like MLA's (the same switch)."""
+_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT, Role.KDA_GATE}
+"""``kda.gate`` (the rank-D forget/output gate projections and beta) feeds exp/sigmoid decays."""
 
 
 class DType(enum.StrEnum):
@@ -158,7 +164,7 @@ class PrecisionPolicy:
         role = Role(role)
         if not self.fp8 or role in _NEVER_QUANTIZED:
             return False
-        if role in _MLA_ROLES:
+        if role in _MLA_ROLES or role in _KDA_PROJ_ROLES:
             return not self.mla_proj_disable_quantization
         if role in _INDEXER_QK_ROLES:
             return not self.dsa_indexer_qk_proj_disable_quantization

@@ -40,7 +40,8 @@ SHAPE_KEYS = (
     "model.dsa_indexer_kpool", "model.dsa_indexer_kpool_train_ape", "model.dsa_indexer_topk_freq",
     "model.dsa_indexer_skip_topk_offset", "model.num_moe_experts", "model.moe_first_k_dense_layers",
     "model.moe_ffn_hidden_size", "model.moe_shared_expert_intermediate_size",
-    "model.moe_router_enable_expert_bias", "model.mtp_num_layers",
+    "model.moe_router_enable_expert_bias", "model.mtp_num_layers", "model.dsa_indexer_types",
+    "model.linear_attention_freq",
 )
 """Config keys that change which tensors a checkpoint holds or their shapes."""
 

@@ -42,6 +42,18 @@ def shares_across_stages(layers: list[int], freq: int, offset: int) -> Optional[
     return next((s for s in stage_starts(layers) if not model_facts.computes_topk(s, freq, offset)), None)
 
 
+def shares_across_stages_pattern(layers: list[int], pattern: model_facts.LayerPattern) -> Optional[int]:
+    """The first DSA layer whose top-k source (:class:`kpool_layers.model_facts.LayerPattern`)
+    lies in an earlier stage than its own, or ``None``."""
+    start = 1
+    for count in layers:
+        for n in range(start, start + count):
+            if not pattern.is_linear_attention(n) and pattern.topk_source_layer(n) < start:
+                return n
+        start += count
+    return None
+
+
 def suggest_layout(num_layers: int, pp: int, freq: int, offset: int) -> Optional[tuple[int, int]]:
     """(first, last) stage sizes that split ``num_layers`` over ``pp`` stages under the IndexShare
     rule with the smallest largest stage (then the most even first/last); ``None`` if none does."""

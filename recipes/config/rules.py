@@ -109,6 +109,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
     _check_world_size(world_size, tp, pp, cp)
     if cp > 1:
         _check_context_parallel(m, d, cp, tp if tp > 1 and p.sequence_parallel is not False else 1)
+    _check_layer_pattern(m, p, t, d)
     _check_stages(m, p)
     dp = max(world_size // (tp * pp * cp), 1)  # 0 only when the world size check failed
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0, "train.global_batch_size",
@@ -167,6 +168,54 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
     for key, value, allowed in recompute.problems(t, m.num_layers, pp, m.num_moe_experts,
                                                   m.moe_first_k_dense_layers, m.mtp_num_layers):
         _fail(ConfigError(key, value, allowed))
+
+
+def _plain_list(value: Any) -> Any:
+    """A ListConfig as a list (other values unchanged)."""
+    from omegaconf import ListConfig, OmegaConf
+
+    return OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+
+
+def _check_layer_pattern(m: DictConfig, p: DictConfig, t: DictConfig, d: DictConfig) -> None:
+    """Hybrid KDA/DSA models (``model.linear_attention_freq``) and per-layer indexer types
+    (``model.dsa_indexer_types``): valid patterns, KDA sizes the layer supports, and the features
+    that do not work with KDA layers."""
+    freq = _plain_list(m.linear_attention_freq)
+    problem = model_facts.linear_attention_problem(m.num_layers, freq)
+    if problem is not None:
+        _fail(ConfigError("model.linear_attention_freq", freq, problem))
+        return
+    types = _plain_list(m.dsa_indexer_types)
+    pattern = model_facts.LayerPattern(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset,
+                                       None if types is None else tuple(types), freq)
+    problem = pattern.indexer_types_problem()
+    if problem is not None:
+        _fail(ConfigError("model.dsa_indexer_types", types, problem))
+        return
+    if types is not None:
+        _require(m.dsa_indexer_topk_freq == 1, "model.dsa_indexer_topk_freq", m.dsa_indexer_topk_freq,
+                 "1 when model.dsa_indexer_types is set (the types list is the share pattern)")
+    if not pattern.hybrid:
+        return
+    with_kda = "with KDA layers (model.linear_attention_freq)"
+    _require(m.dsa_indexer_topk_freq == 1, "model.dsa_indexer_topk_freq", m.dsa_indexer_topk_freq,
+             f"1 {with_kda}; set the share pattern per layer with model.dsa_indexer_types")
+    _require(m.linear_num_value_heads == m.linear_num_key_heads, "model.linear_num_value_heads",
+             m.linear_num_value_heads, f"model.linear_num_key_heads={m.linear_num_key_heads} (KDA has one head count)")
+    _require(m.linear_value_head_dim == m.linear_key_head_dim, "model.linear_value_head_dim",
+             m.linear_value_head_dim, f"model.linear_key_head_dim={m.linear_key_head_dim} (KDA has one head size)")
+    tp = p.tensor_model_parallel_size
+    for key in ("linear_num_key_heads", "linear_key_head_dim"):
+        _require(m[key] % tp == 0, "parallelism.tensor_model_parallel_size", tp,
+                 _divisors_of(m[key]) + f" = model.{key}'s divisors (KDA splits its heads and the "
+                 "rank-D gate projections over TP)")
+    _require(p.context_parallel_size == 1, "parallelism.context_parallel_size", p.context_parallel_size,
+             f"1 {with_kda} (KDA's recurrence does not pass its state between CP ranks)")
+    _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
+             f"0 {with_kda} (transformers' glm5_next has no MTP layer)")
+    _require(t.cuda_graph_impl is CudaGraphImpl.none, "train.cuda_graph_impl", t.cuda_graph_impl.value,
+             f"none {with_kda} (the KDA delta rule kernels are not validated under graph capture)")
 
 
 def _check_rollout(m: DictConfig, d: DictConfig, t: DictConfig) -> None:
@@ -337,6 +386,20 @@ def _check_stages(m: DictConfig, p: DictConfig) -> None:
         _fail(ConfigError(key, value, f"a split of model.num_layers={m.num_layers} over PP={pp} stages "
                           f"(first={first}, last={last}) with the other stages equal (null first/last "
                           f"when PP=1){hint}"))
+        return
+    types = _plain_list(m.dsa_indexer_types)
+    la_freq_ok = model_facts.linear_attention_problem(m.num_layers, _plain_list(m.linear_attention_freq)) is None
+    if types is not None and la_freq_ok:
+        pattern = model_facts.LayerPattern(m.num_layers, freq, offset, tuple(types),
+                                           _plain_list(m.linear_attention_freq))
+        layer = None if pattern.indexer_types_problem() else pl.shares_across_stages_pattern(layers, pattern)
+        if layer is not None:
+            _fail(ConfigError("parallelism.pipeline_model_parallel_size", pp,
+                              f"stages that keep every shared DSA layer with its full source layer "
+                              f"(stages {layers}: layer {layer} uses the top-k of layer "
+                              f"{pattern.topk_source_layer(layer)} of an earlier stage under "
+                              f"model.dsa_indexer_types); move the stage boundary "
+                              f"(parallelism.num_layers_in_first_pipeline_stage / _last_)"))
         return
     start = pl.shares_across_stages(layers, freq, offset) if freq > 1 else None
     if start is not None:

@@ -145,6 +145,19 @@ class ModelConfig:
     dsa_indexer_kpool: int = num(1, 1, max(model_facts.KPOOL_ALLOWED))
     dsa_indexer_kpool_always_select_tail: bool = False
     dsa_indexer_kpool_train_ape: bool = False
+    # Per-layer indexer: list of full/shared (transformers' indexer_types; a shared DSA layer uses
+    # the nearest earlier full DSA layer's top-k); null = the topk_freq/skip_topk_offset schedule.
+    dsa_indexer_types: Optional[list[str]] = None
+    # KDA linear attention (GLM-5.3, docs/linear_attention.md). megatron's linear_attention_freq:
+    # null = every layer DSA; N = layers N, 2N, ... DSA and the others KDA; or a 0/1 list per layer
+    # (1 = KDA). transformers' layer_types: linear_attention / indexed_attention.
+    linear_attention_freq: Any = None
+    linear_num_key_heads: int = num(4, 1)
+    linear_num_value_heads: int = num(4, 1)  # = linear_num_key_heads (KDA has one head count)
+    linear_key_head_dim: int = num(32, 1)
+    linear_value_head_dim: int = num(32, 1)  # = linear_key_head_dim
+    linear_conv_kernel_dim: int = num(4, 1)
+    linear_gate_lower_bound: Optional[float] = num(-5.0, None, 0.0, open_hi=True)  # null: -exp(A_log) softplus(f)
     # Rollout replay (data=rollout, docs/replay.md): attend to the recorded top-k / route to the
     # recorded experts.
     dsa_topk_replay: bool = False
@@ -161,6 +174,8 @@ class ModelConfig:
     moe_router_load_balancing_type: str = "seq_aux_loss"
     moe_aux_loss_coeff: float = num(1e-4, 0.0)
     moe_token_dispatcher_type: Dispatcher = Dispatcher.allgather
+    # SwiGLU clamp (transformers' swiglu_limit): gate <= v, up in [-v, v]; null = none.
+    activation_func_clamp_value: Optional[float] = num(None, 0.0, open_lo=True)
     moe_grouped_gemm: Optional[bool] = None  # null = auto: true on GPUs without FP8 experts (recipes.config.megatron)
     # Multi-token prediction.
     mtp_num_layers: int = num(0, 0)

@@ -80,8 +80,100 @@ def _check_supported(hf: dict[str, Any]) -> None:
     _require(not hf.get("mlp_bias", False), "mlp_bias", hf.get("mlp_bias"), "false")
     _require(hf.get("hidden_act", "silu") == "silu", "hidden_act", hf.get("hidden_act"), "silu")
     layer_types = set(hf.get("layer_types") or ["indexed_attention"])
-    _require(layer_types <= {"indexed_attention", "full_attention"}, "layer_types", sorted(layer_types),
-             "indexed/full attention only (no linear-attention layers)")
+    allowed = {"indexed_attention", "full_attention"}
+    if hf.get("model_type") == "glm5_next_text":
+        allowed.add(model_facts.LINEAR_ATTENTION)
+    _require(layer_types <= allowed, "layer_types", sorted(layer_types), ", ".join(sorted(allowed)))
+    if hf.get("model_type") == "glm5_next_text":
+        check_fields(hf, GLM5_NEXT_TEXT_FIELDS)
+
+
+READ = "read"
+"""A field the conversion reads (it becomes a ``model`` key or is checked against one)."""
+METADATA = "metadata"
+"""A field that does not change the model's tensors or its forward (bookkeeping, generation,
+training-loss settings that are ``train``/``model`` choices here)."""
+
+HC_FIELDS = ("hc_mult", "hc_eps", "hc_sinkhorn_iters")
+"""glm5_next's mHC hyper-connection fields."""
+
+GLM5_NEXT_TEXT_FIELDS: dict[str, str] = {
+    **{key: READ for key in (
+        "model_type", "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+        "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "n_shared_experts",
+        "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+        "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+        "norm_topk_prob", "hidden_act", "max_position_embeddings", "initializer_range", "rms_norm_eps",
+        "tie_word_embeddings", "mlp_layer_types", "attention_bias", "index_topk", "index_head_dim",
+        "index_n_heads", "layer_types", "indexer_types", "swiglu_limit", "linear_head_dim",
+        "linear_num_heads", "linear_conv_kernel_dim", "linear_lower_bound", "index_kpool",
+        "index_kpool_always_select_tail", "attention_dropout", "head_dim", "qk_head_dim",
+        "index_topk_freq", "index_skip_topk_offset", "rope_parameters", "rope_theta")},
+    **{key: METADATA for key in (
+        "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache", "pad_token_id",
+        "bos_token_id", "eos_token_id", "output_router_logits", "router_aux_loss_coef",
+        "base_config_key", "_name_or_path", "output_hidden_states", "output_attentions",
+        "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
+        "problem_type", "tokenizer_class")},
+    **{key: "mHC hyper-connections (transformers' Glm5NextTextHyperConnection) are not part of "
+            "this model" for key in HC_FIELDS},
+}
+"""Every ``glm5_next_text`` config field and what the conversion does with it: :data:`READ`,
+:data:`METADATA`, or (any other string) why it is refused. A field not listed is refused as
+unknown. The mHC fields :data:`HC_FIELDS` are refused until the model builds them (their entries
+become :data:`READ` with the ``model`` keys they set)."""
+
+
+def check_fields(hf: dict[str, Any], table: dict[str, str]) -> None:
+    """Raise naming every field of ``hf`` that ``table`` refuses or does not know. Absent fields
+    take transformers' defaults; a refused field's default is refused too (``hc_mult`` defaults
+    to 4)."""
+    unknown = sorted(key for key in hf if key not in table)
+    if unknown:
+        raise ValueError(f"HF config fields {unknown} are unknown to the {hf.get('model_type')} "
+                         f"conversion; known: {sorted(table)}")
+    refused = {key: why for key, why in table.items() if why not in (READ, METADATA)}
+    if refused:
+        key = sorted(refused)[0]
+        raise ValueError(f"HF config {key}={hf.get(key, '(default)')!r} is not supported: "
+                         f"{refused[key]} (refused: {sorted(refused)})")
+
+
+def linear_attention_freq(layer_types: list[str]) -> Any:
+    """megatron's ``linear_attention_freq`` for HF ``layer_types``: None (no KDA layer), the
+    period N when layers N, 2N, ... are the DSA ones, else the 0/1 list."""
+    pattern = [int(t == model_facts.LINEAR_ATTENTION) for t in layer_types]
+    if not any(pattern):
+        return None
+    for n in range(2, len(pattern) + 1):
+        if model_facts.linear_attention_pattern(len(pattern), n) == [bool(v) for v in pattern]:
+            return n
+    return pattern
+
+
+def _hybrid(hf: dict[str, Any], layers: int) -> dict[str, Any]:
+    """The KDA keys and the per-layer indexer types of a glm5_next_text config with
+    ``linear_attention`` layers."""
+    defaults = {"linear_num_heads": 64, "linear_head_dim": 128, "linear_conv_kernel_dim": 4,
+                "linear_lower_bound": -5.0}
+    get = {key: hf.get(key, value) for key, value in defaults.items()}
+    freq = linear_attention_freq(list(hf["layer_types"]))
+    types = hf.get("indexer_types") or ["full"] * layers
+    pattern = model_facts.LayerPattern(layers, indexer_types=tuple(types), linear_attention_freq=freq)
+    problem = pattern.indexer_types_problem()
+    _require(problem is None, "indexer_types", types, problem or "")
+    bad = pattern.hf_shareable()
+    _require(bad is None, "indexer_types", types,
+             f"'shared' only right after a 'full' indexed_attention layer (transformers hands a "
+             f"top-k to the next layer only; layer {bad} breaks it)")
+    return {"linear_attention_freq": freq, "dsa_indexer_types": list(types),
+            "linear_num_key_heads": int(get["linear_num_heads"]),
+            "linear_num_value_heads": int(get["linear_num_heads"]),
+            "linear_key_head_dim": int(get["linear_head_dim"]),
+            "linear_value_head_dim": int(get["linear_head_dim"]),
+            "linear_conv_kernel_dim": int(get["linear_conv_kernel_dim"]),
+            "linear_gate_lower_bound": (None if get["linear_lower_bound"] is None
+                                        else float(get["linear_lower_bound"]))}
 
 
 def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
@@ -102,7 +194,18 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
                  f"first_k_dense_replace={dense} dense layers, then MoE: {expected}")
     kpool = int(hf.get("index_kpool", 1))
     rope_dim = int(hf["qk_rope_head_dim"])
+    hybrid = model_facts.LINEAR_ATTENTION in (hf.get("layer_types") or [])
+    glm5_next = hf["model_type"] == "glm5_next_text"
+    if glm5_next:
+        _require(float(hf.get("attention_dropout", 0.0)) == 0.0, "attention_dropout",
+                 hf.get("attention_dropout"), "0.0")
+        _require(int(hf.get("num_key_value_heads", hf["num_attention_heads"])) == int(hf["num_attention_heads"]),
+                 "num_key_value_heads", hf.get("num_key_value_heads"), "num_attention_heads (MLA)")
+    # glm5_next clamps SwiGLU (default 10); glm_moe_dsa has no clamp.
+    limit = hf.get("swiglu_limit", 10.0) if glm5_next else None
     return {
+        **(_hybrid(hf, layers) if hybrid else {}),
+        "activation_func_clamp_value": None if limit is None else float(limit),
         "name": name,
         "num_layers": layers,
         "hidden_size": int(hf["hidden_size"]),
@@ -125,7 +228,8 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "dsa_indexer_n_heads": int(hf["index_n_heads"]),
         "dsa_indexer_head_dim": int(hf["index_head_dim"]),
         "dsa_indexer_topk": int(hf["index_topk"]),
-        **_index_share(hf, layers),
+        **(_index_share(hf, layers) if not hybrid else
+           {"dsa_indexer_topk_freq": 1, "dsa_indexer_skip_topk_offset": 0}),
         "dsa_indexer_rope_interleaved": hf["model_type"] == "glm_moe_dsa",
         "dsa_indexer_scoring_relu": True,
         # transformers never rotates; upstream Megatron-LM and the serving engines rotate q and the
@@ -190,7 +294,8 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
         "index_topk": m.dsa_indexer_topk,
         "index_topk_freq": m.dsa_indexer_topk_freq,
         "index_skip_topk_offset": m.dsa_indexer_skip_topk_offset,
-        "indexer_types": indexer_types(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset),
+        "indexer_types": (indexer_types(m.num_layers, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset)
+                          if m.dsa_indexer_types is None else list(m.dsa_indexer_types)),
         "n_routed_experts": m.num_moe_experts,
         "num_experts_per_tok": m.moe_router_topk,
         "moe_intermediate_size": m.moe_ffn_hidden_size,
@@ -207,4 +312,46 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
     if m.dsa_indexer_kpool > 1:
         out["index_kpool"] = m.dsa_indexer_kpool
         out["index_kpool_always_select_tail"] = m.dsa_indexer_kpool_always_select_tail
+    if model_facts.LayerPattern.of(m).hybrid or m.activation_func_clamp_value is not None:
+        return glm5_next_text_config(m, out)
+    return out
+
+
+def glm5_next_text_config(m: Any, base: dict[str, Any]) -> dict[str, Any]:
+    """A ``glm5_next_text`` ``config.json`` dict for a model with KDA layers or the SwiGLU clamp
+    (transformers' glm5_next builds those): ``base`` (the glm_moe_dsa fields) with glm5_next's
+    names; checked against :data:`GLM5_NEXT_TEXT_FIELDS`."""
+    pattern = model_facts.LayerPattern.of(m)
+    _require(m.qk_pos_emb_head_dim == 0, "model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim,
+             "0 (transformers' glm5_next is NoPE)")
+    _require(m.mla_latent_norm_epsilon in (None, m.layernorm_epsilon), "model.mla_latent_norm_epsilon",
+             m.mla_latent_norm_epsilon, "null (glm5_next's latent norms use rms_norm_eps)")
+    _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers, "0 (glm5_next has no MTP)")
+    _require(m.activation_func_clamp_value is not None, "model.activation_func_clamp_value", None,
+             "a limit (glm5_next always clamps SwiGLU; its swiglu_limit defaults to 10)")
+    bad = pattern.hf_shareable()
+    _require(bad is None, "model.dsa_indexer_types", m.dsa_indexer_types,
+             f"'shared' only right after a 'full' DSA layer (transformers hands a top-k to the next "
+             f"layer only; layer {bad} breaks it)")
+    experts, dense = m.num_moe_experts, m.moe_first_k_dense_layers
+    moe_freq = model_facts.moe_layer_freq(m.num_layers, experts, dense)
+    out = {key: value for key, value in base.items()
+           if key not in ("first_k_dense_replace", "num_nextn_predict_layers", "rope_parameters",
+                          "index_topk_freq", "index_skip_topk_offset")}
+    out.update({
+        "architectures": ["Glm5NextTextModel"], "model_type": "glm5_next_text",
+        "layer_types": pattern.layer_types(),
+        "indexer_types": ["full" if pattern.computes_topk(n) or pattern.is_linear_attention(n) else "shared"
+                          for n in range(1, m.num_layers + 1)] if m.dsa_indexer_types is None
+        else list(m.dsa_indexer_types),
+        "mlp_layer_types": ["sparse" if model_facts.is_moe(n, experts, moe_freq) else "dense"
+                            for n in range(1, m.num_layers + 1)],
+        "swiglu_limit": m.activation_func_clamp_value,
+        "linear_num_heads": m.linear_num_key_heads, "linear_head_dim": m.linear_key_head_dim,
+        "linear_conv_kernel_dim": m.linear_conv_kernel_dim, "linear_lower_bound": m.linear_gate_lower_bound,
+        "index_kpool": m.dsa_indexer_kpool,
+        "index_kpool_always_select_tail": bool(m.dsa_indexer_kpool_always_select_tail),
+        "pad_token_id": None,
+    })
+    check_fields(out, GLM5_NEXT_TEXT_FIELDS)
     return out

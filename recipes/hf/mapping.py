@@ -105,6 +105,20 @@ class IndexerRope:
 
 
 @dataclass(frozen=True)
+class Conv1dWeight:
+    """transformers' depthwise ``conv1d.weight [C, 1, K]`` <-> our ``[C, K]``."""
+
+    def to_megatron(self, hf: list[torch.Tensor]) -> torch.Tensor:
+        (tensor,) = hf
+        if tensor.dim() != 3 or tensor.shape[1] != 1:
+            raise ValueError(f"a depthwise conv1d weight is [C, 1, K], got {tuple(tensor.shape)}")
+        return tensor[:, 0].contiguous()
+
+    def to_hf(self, megatron: torch.Tensor) -> list[torch.Tensor]:
+        return [megatron.unsqueeze(1).contiguous()]
+
+
+@dataclass(frozen=True)
 class TensorMap:
     """One megatron tensor and the HF tensors it is made of."""
 
@@ -120,10 +134,14 @@ class Mapping:
 
     maps: tuple[TensorMap, ...]
     aliases: dict[str, str]
+    inert: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
+    """HF tensors that cannot change the HF model's output, name -> (shape, the value export
+    writes): glm5_next's KPool gate and ape at ``index_kpool`` 1 (a softmax over one slot is 1).
+    Import checks their shape; our model has no such parameter."""
 
     def hf_names(self) -> set[str]:
-        """Every HF tensor name the mapping reads or writes (aliases included)."""
-        return {name for m in self.maps for name in m.hf} | set(self.aliases)
+        """Every HF tensor name the mapping reads or writes (aliases and inert tensors included)."""
+        return {name for m in self.maps for name in m.hf} | set(self.aliases) | set(self.inert)
 
 
 def _indexer(model: Any, meg: str, hf: str) -> list[TensorMap]:
@@ -147,10 +165,31 @@ def _swiglu(meg: str, hf: str) -> list[TensorMap]:
             TensorMap(f"{meg}linear_fc2.weight", (f"{hf}down_proj.weight",))]
 
 
+def kda_maps(att: str, hatt: str) -> list[TensorMap]:
+    """A KDA layer's attention (``kpool_layers.linear_attention.kda``; transformers'
+    ``Glm5NextTextLinearAttention`` in its checkpoint names: forget gate and conv per q/k/v flat
+    under ``self_attn``)."""
+    names = {"linear_q": "q_proj", "linear_k": "k_proj", "linear_v": "v_proj", "linear_f_a": "f_a_proj",
+             "linear_f_b": "f_b_proj", "linear_beta": "b_proj", "linear_g_a": "g_a_proj",
+             "linear_g_b": "g_b_proj", "linear_proj": "o_proj"}
+    maps = [TensorMap(f"{att}{ours}.weight", (f"{hatt}{theirs}.weight",)) for ours, theirs in names.items()]
+    maps += [TensorMap(f"{att}conv_{x}", (f"{hatt}{x}_conv1d.weight",), Conv1dWeight()) for x in "qkv"]
+    return maps + [TensorMap(f"{att}dt_bias", (f"{hatt}dt_bias",)),
+                   TensorMap(f"{att}A_log", (f"{hatt}A_log",)),
+                   TensorMap(f"{att}out_norm_weight", (f"{hatt}o_norm.weight",))]
+
+
 def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> list[TensorMap]:
     """One decoder layer: megatron prefix ``meg`` (``decoder.layers.3.``), HF prefix ``hf``
-    (``model.layers.3.``), 1-indexed ``layer_number`` for IndexShare."""
+    (``model.layers.3.``), 1-indexed ``layer_number`` for the layer pattern (KDA or DSA,
+    IndexShare; :class:`kpool_layers.model_facts.LayerPattern`)."""
     att, hatt = f"{meg}self_attention.", f"{hf}self_attn."
+    pattern = model_facts.LayerPattern.of(model)
+    if pattern.is_linear_attention(layer_number):
+        maps = [TensorMap(f"{meg}input_layernorm.weight", (f"{hf}input_layernorm.weight",)),
+                *kda_maps(att, hatt),
+                TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
+        return maps + _mlp_maps(model, meg, hf, moe)
     maps = [TensorMap(f"{meg}input_layernorm.weight", (f"{hf}input_layernorm.weight",)),
             TensorMap(f"{att}linear_q_down_proj.weight", (f"{hatt}q_a_proj.weight",)),
             TensorMap(f"{att}q_layernorm.weight", (f"{hatt}q_a_layernorm.weight",)),
@@ -160,8 +199,14 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
             TensorMap(f"{att}linear_kv_up_proj.weight", (f"{hatt}kv_b_proj.weight",)),
             TensorMap(f"{att}linear_proj.weight", (f"{hatt}o_proj.weight",)),
             TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
-    if model_facts.computes_topk(layer_number, model.dsa_indexer_topk_freq, model.dsa_indexer_skip_topk_offset):
+    if pattern.computes_topk(layer_number):
         maps += _indexer(model, f"{att}indexer.", f"{hatt}indexer.")
+    return maps + _mlp_maps(model, meg, hf, moe)
+
+
+def _mlp_maps(model: Any, meg: str, hf: str, moe: bool) -> list[TensorMap]:
+    """A layer's dense MLP or MoE (router, every routed expert, the shared expert)."""
+    maps: list[TensorMap] = []
     if not moe:
         return maps + _swiglu(f"{meg}mlp.", f"{hf}mlp.")
     maps += [TensorMap(f"{meg}mlp.router.weight", (f"{hf}mlp.gate.weight",)),
@@ -203,7 +248,23 @@ def build_mapping(model: Any) -> Mapping:
             "lm_head.weight" if model.untie_embeddings_and_output_weights else "model.embed_tokens.weight")
     if model.untie_embeddings_and_output_weights:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",)))
-    return Mapping(maps=tuple(maps), aliases=aliases)
+    return Mapping(maps=tuple(maps), aliases=aliases, inert=_inert_kpool(model))
+
+
+def _inert_kpool(model: Any) -> dict[str, tuple[tuple[int, ...], float]]:
+    """glm5_next builds ``index_kpool_compress_ape [1, D]`` (init 0) and ``_gate [D, hidden]``
+    (init 1) in every indexer, also at ``index_kpool`` 1 where pooling one key is the identity;
+    models with KDA layers are glm5_next models (:mod:`recipes.hf.config`)."""
+    pattern = model_facts.LayerPattern.of(model)
+    if model.dsa_indexer_kpool != 1 or not pattern.hybrid:
+        return {}
+    d = model.dsa_indexer_head_dim
+    out: dict[str, tuple[tuple[int, ...], float]] = {}
+    for n in pattern.topk_layers():
+        prefix = f"model.layers.{n - 1}.self_attn.indexer."
+        out[f"{prefix}index_kpool_compress_ape"] = ((1, d), 0.0)
+        out[f"{prefix}index_kpool_compress_gate"] = ((d, model.hidden_size), 1.0)
+    return out
 
 
 def check_hf_names(mapping: Mapping, present: set[str]) -> None:

@@ -29,7 +29,14 @@ class FlopModel:
     forward per token = 2 * active parameters (all GEMMs)
       + per layer: 2 * heads * (qk_dim + v_latent) * keys attended   (absorbed sparse MLA)
       + per computing layer: 2 * index_heads * index_dim * keys scored   (lightning indexer)
-    with keys attended = min(topk, s/2) and keys scored = s/2 (causal average).
+      + per KDA layer: kda_heads * (6 D^2 + 10 C D)                      (chunked delta rule)
+    with keys attended = min(topk, s/2) and keys scored = s/2 (causal average); ``num_layers``
+    counts the DSA layers. The KDA term is the chunked (WY) delta rule with chunks of C = 64
+    tokens and head size D per token and head: the intra-chunk ``k k^T`` and ``q k^T`` blocks
+    (2 C D each), ``w = A (beta k)`` and ``u = A (beta v)`` (2 C D each), the inter-chunk
+    ``u - w S``, ``S += k^T v_new`` and ``q S`` with the D x D state (2 D^2 each) and the
+    intra-chunk output ``(q k^T) v_new`` (2 C D); the triangular inverse (C^2 / 3 per token) and
+    the elementwise gates are not counted. Its projections are in ``active_params``.
     """
 
     active_params: int
@@ -41,10 +48,16 @@ class FlopModel:
     index_heads: int
     index_dim: int
     index_layers: int
+    kda_layers: int = 0
+    kda_heads: int = 0
+    kda_head_dim: int = 0
+    kda_chunk: int = 64
 
     def per_token(self, seq_length: int) -> float:
         attended = min(self.topk, seq_length / 2)
         fwd = 2 * self.active_params
+        d = self.kda_head_dim
+        fwd += self.kda_layers * self.kda_heads * (6 * d * d + 10 * self.kda_chunk * d)
         fwd += 2 * self.num_layers * self.heads * (self.qk_dim + self.v_dim) * attended
         fwd += 2 * self.index_layers * self.index_heads * self.index_dim * (seq_length / 2)
         return 3 * fwd

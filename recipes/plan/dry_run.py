@@ -44,10 +44,16 @@ def analytic_param_count(m: ModelConfig) -> tuple[int, int]:
     router = h * experts  # the expert bias is a buffer, not a parameter
 
     moe_freq = model_facts.moe_layer_freq(m.num_layers, experts, m.moe_first_k_dense_layers)
+    pattern = model_facts.LayerPattern.of(m)
+    heads_kda, d_kda = m.linear_num_key_heads, m.linear_key_head_dim
+    width = heads_kda * d_kda
+    # q/k/v, forget-gate and output-gate low-rank pairs, beta, output; conv taps, dt_bias, A_log, o_norm
+    kda = (3 * h * width + 2 * (h * d_kda + d_kda * width) + h * heads_kda + width * h
+           + 3 * width * m.linear_conv_kernel_dim + width + heads_kda + d_kda)
 
     def layer(number: int, moe: bool) -> tuple[int, int]:
-        base = 2 * h + attn
-        if model_facts.computes_topk(number, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset):
+        base = 2 * h + (kda if pattern.is_linear_attention(number) else attn)
+        if pattern.computes_topk(number):
             base += indexer
         if not moe:
             return base + dense_mlp, base + dense_mlp
@@ -71,15 +77,16 @@ def flop_model(cfg: Config) -> FlopModel:
     """FLOPs per token of ``cfg.model`` (see :class:`recipes.observe.metrics.FlopModel`)."""
     m = cfg.model
     _, active = analytic_param_count(m)
-    index_layers = len(model_facts.topk_layers(m.num_layers, m.dsa_indexer_topk_freq,
-                                               m.dsa_indexer_skip_topk_offset))
+    pattern = model_facts.LayerPattern.of(m)
+    kda_layers = sum(pattern.is_linear_attention(n) for n in range(1, m.num_layers + 1))
     return FlopModel(
         active_params=active - m.vocab_size * m.hidden_size,  # the input embedding is a lookup
-        num_layers=m.num_layers, heads=m.num_attention_heads,
+        num_layers=m.num_layers - kda_layers, heads=m.num_attention_heads,
         qk_dim=m.kv_lora_rank + m.qk_pos_emb_head_dim, v_dim=m.kv_lora_rank,
         topk=m.dsa_indexer_topk + (m.dsa_indexer_kpool - 1 if m.dsa_indexer_kpool_always_select_tail else 0),
         index_heads=m.dsa_indexer_n_heads, index_dim=m.dsa_indexer_head_dim // m.dsa_indexer_kpool,
-        index_layers=index_layers,
+        index_layers=len(pattern.topk_layers()),
+        kda_layers=kda_layers, kda_heads=m.linear_num_key_heads, kda_head_dim=m.linear_key_head_dim,
     )
 
 

@@ -8,7 +8,7 @@ parameter (fp32 master, m, v), divided by the data-parallel size with the distri
 
 Activations are an estimate, not a measurement: per token and layer ``34 * h / TP`` bytes
 (Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
-recomputation; sparse attention stores no [s, s] scores) plus ``6 * topk * moe_ffn`` bytes of routed
+recomputation; sparse attention stores no [s, s] scores; KDA layers: :func:`_layer_bytes`) plus ``6 * topk * moe_ffn`` bytes of routed
 expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
 plus the last stage's logits (bf16 + fp32 for the loss; with ``train.loss_chunk_tokens`` one
 chunk's, plus the gathered bf16 hidden states the chunks are recomputed from and the output
@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
+
 from torch import nn
 
+from kpool_layers import model_facts
 from kpool_layers.precision.policy import DType
 from recipes.config.pipeline_layout import stage_layers
 from recipes.config.schema import Config, TrainConfig
@@ -153,6 +156,24 @@ def parameter_groups(model: nn.Module) -> ParameterGroups:
     return _parameter_groups(model)
 
 
+KDA_CHUNK = 64
+"""Tokens per chunk of the KDA delta rule (``kpool_layers.linear_attention.delta_rule``)."""
+
+
+def _layer_bytes(m: Any, layer_number: int, tp: int) -> float:
+    """Activation bytes per token a layer keeps without recompute (routed experts aside):
+    Korthikanti's ``34 h / TP``; a KDA layer replaces its 15 h of attention by
+    ``2 h + 24 W + 4 H D^2 / C`` (``W = H D``): the normalised input, q/k/v before and after the
+    conv (bf16), the fp32 log decay, the delta-rule output and the output gate (bf16), the fp32
+    gated-norm input, and the fp32 D x D state per chunk of C tokens and head."""
+    h = m.hidden_size
+    if not model_facts.LayerPattern.of(m).is_linear_attention(layer_number):
+        return 34 * h / tp
+    heads, d = m.linear_num_key_heads, m.linear_key_head_dim
+    kda = 2 * h + 24 * heads * d + 4 * heads * d * d / KDA_CHUNK
+    return (19 * h + kda) / tp
+
+
 def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
     """Per-GPU memory of each pipeline stage of ``cfg`` (``model``: the full model, meta device)."""
     return plan_groups(cfg, _parameter_groups(model))
@@ -184,8 +205,9 @@ def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
             groups = groups + [parts["head"], parts["mtp"]] + ([parts["embedding"]] if m.mtp_num_layers and pp > 1 else [])
         dense = sum(g[0] for g in groups) / tp
         expert = sum(g[1] for g in groups) / (ep * etp)
-        full = [34 * m.hidden_size / tp + (6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp if g[1] else 0)
-                for g in per_layer[start:start + count]]
+        full = [_layer_bytes(m, start + i + 1, tp)
+                + (6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp if g[1] else 0)
+                for i, g in enumerate(per_layer[start:start + count])]
         kept, working = _recomputed(t, full, [bool(g[1]) for g in per_layer[start:start + count]],
                                     m.hidden_size / tp)
         in_flight = min(pp - stage, micro_batches)

@@ -41,8 +41,7 @@ def model_layers(m: ModelConfig) -> ModelLayers:
              "dsa_indexer_kpool_always_select_tail": m.dsa_indexer_kpool_always_select_tail,
              "num_moe_experts": m.num_moe_experts, "moe_router_topk": m.moe_router_topk}
     return ModelLayers(
-        topk_layers=tuple(model_facts.topk_layers(m.num_layers, m.dsa_indexer_topk_freq,
-                                                  m.dsa_indexer_skip_topk_offset)),
+        topk_layers=tuple(model_facts.LayerPattern.of(m).topk_layers()),
         topk_width=m.dsa_indexer_topk + tail,
         moe_layers=tuple(n for n in range(1, m.num_layers + 1)
                          if model_facts.is_moe(n, m.num_moe_experts, freq)),
