@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.hyper_connections.layer import hyper_connected_spec
 from kpool_layers.moe.experts import GroupedExperts
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
 from kpool_layers.moe.router import FusedTopKRouter
@@ -102,8 +103,11 @@ def glm_layer_spec(config: GLMTransformerConfig, attention: ModuleSpec, moe: boo
 def glm_decoder_block_spec(
     config: GLMTransformerConfig, attention: ModuleSpec, pp_rank: int | None = None
 ) -> TransformerBlockSubmodules:
-    """The layers this pipeline stage builds (all of them when PP = 1) and the final norm."""
-    layers = [glm_layer_spec(config, attention, config.is_moe(n)) for n in range(1, config.num_layers + 1)]
+    """The layers this pipeline stage builds (all of them when PP = 1) and the final norm; with
+    ``config.hc_mult`` each layer carries mHC streams
+    (:func:`kpool_layers.hyper_connections.layer.hyper_connected_spec`)."""
+    layers = [hyper_connected_spec(config, glm_layer_spec(config, attention, config.is_moe(n)), n)
+              for n in range(1, config.num_layers + 1)]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     per_stage = get_num_layers_to_build(config, pp_rank=pp_rank)  # uneven first/last stages too
     return TransformerBlockSubmodules(

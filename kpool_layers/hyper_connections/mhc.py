@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
+
+from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.precision.policy import LinearNumerics, Role
 
 
 def expand_streams(hidden: Tensor, hc_mult: int) -> Tensor:
@@ -67,19 +69,24 @@ class HyperConnection(MegatronModule):
     """One block's mHC weights (module docstring): ``forward(streams [..., N, h])`` ->
     ``(post [..., N] fp32, comb [..., N, N] fp32, block input [..., h] in the streams' dtype)``.
 
-    ``hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` are transformers' names; the stream norm's
-    epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``).
+    Reads ``config.hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` (transformers' names); the
+    stream norm's epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``). The
+    projection ``z = x @ fn^T`` is the precision role ``mhc.proj`` (:attr:`numerics`, from
+    ``config.precision``: FP32, never FP8, as transformers computes it). ``base`` and ``scale``
+    stay FP32 through module casts (megatron's ``Float16Module`` calls ``module.bfloat16()``), as
+    transformers keeps them (``_keep_in_fp32_modules_strict``).
     """
 
-    def __init__(self, config: TransformerConfig, hc_mult: int, hc_sinkhorn_iters: int,
-                 hc_eps: float, **_: Any) -> None:
+    def __init__(self, config: GLMTransformerConfig, **_: Any) -> None:
         super().__init__(config=config)
-        if hc_mult < 1:
+        hc_mult, iters = config.hc_mult, config.hc_sinkhorn_iters
+        if hc_mult is None or hc_mult < 1:
             raise ValueError(f"hc_mult={hc_mult} is not allowed; allowed: >= 1")
-        if hc_sinkhorn_iters < 1:
-            raise ValueError(f"hc_sinkhorn_iters={hc_sinkhorn_iters} is not allowed; allowed: >= 1")
-        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps = hc_mult, hc_sinkhorn_iters, hc_eps
+        if iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters={iters} is not allowed; allowed: >= 1")
+        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps = hc_mult, iters, config.hc_eps
         self.norm_eps = config.layernorm_epsilon
+        self.numerics = LinearNumerics(config.precision, Role.MHC_PROJ)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         width = (2 + hc_mult) * hc_mult
         self.fn = torch.nn.Parameter(torch.empty(width, hc_mult * config.hidden_size,
@@ -92,11 +99,22 @@ class HyperConnection(MegatronModule):
             with torch.no_grad():
                 self.fn.normal_(0.0, 0.02)
 
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
+        """Module casts/moves, except that ``base`` and ``scale`` never drop below FP32."""
+        module = super()._apply(fn, recurse)
+        for param in (self.base, self.scale):
+            if param.dtype in (torch.float16, torch.bfloat16):
+                param.data = param.data.float()
+                if param.grad is not None:
+                    param.grad = param.grad.float()
+        return module
+
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.hc_mult
         flat = streams.flatten(-2).float()
         flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
-        z = torch.nn.functional.linear(flat, self.fn.float())
+        dtype = self.numerics.dtype(self.fn.dtype)  # mhc.proj: float32
+        z = torch.nn.functional.linear(flat.to(dtype), self.fn.to(dtype))
         pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_scale, post_scale, comb_scale = self.scale.unbind(0)
