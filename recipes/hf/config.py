@@ -23,6 +23,9 @@ from typing import Any
 from kpool_layers import model_facts
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "glm5_next_text")
+HC_DEFAULTS = {"hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6}
+"""transformers' ``Glm5NextTextConfig`` mHC fields and their defaults (a glm5_next_text config
+always has hyper-connections; glm_moe_dsa has none)."""
 INDEXER_K_NORM_EPS = 1e-6
 MLA_LATENT_NORM_EPS = 1e-6
 
@@ -68,6 +71,25 @@ def _index_share(hf: dict[str, Any], num_layers: int) -> dict[str, int]:
         _require(list(types) == ours, "indexer_types", types,
                  f"the pattern of index_topk_freq={freq}, index_skip_topk_offset={offset}: {ours}")
     return {"dsa_indexer_topk_freq": freq, "dsa_indexer_skip_topk_offset": offset if freq > 1 else 0}
+
+
+def _hyper_connections(hf: dict[str, Any]) -> dict[str, Any]:
+    """``model.hc_*`` for a glm5_next_text config (its ``hc_*`` fields, transformers' defaults
+    where absent); none for glm_moe_dsa, which must carry no ``hc_*`` field."""
+    present = sorted(k for k in hf if k.startswith("hc_"))
+    if hf["model_type"] != "glm5_next_text":
+        _require(not present, present[0] if present else "hc_*", hf.get(present[0]) if present else None,
+                 f"no hc_* field in a {hf['model_type']} config (it has no hyper-connections)")
+        return {}
+    unknown = [k for k in present if k not in HC_DEFAULTS]
+    _require(not unknown, unknown[0] if unknown else "hc_*", hf.get(unknown[0]) if unknown else None,
+             f"the mHC fields {', '.join(HC_DEFAULTS)} only")
+    hc = {k: hf.get(k, default) for k, default in HC_DEFAULTS.items()}
+    for key in ("hc_mult", "hc_sinkhorn_iters"):
+        _require(isinstance(hc[key], int) and hc[key] >= 1, key, hc[key], "an integer >= 1")
+    _require(isinstance(hc["hc_eps"], (int, float)) and 0 <= hc["hc_eps"] < 1, "hc_eps", hc["hc_eps"],
+             "a number in [0, 1)")
+    return {"hc_mult": hc["hc_mult"], "hc_sinkhorn_iters": hc["hc_sinkhorn_iters"], "hc_eps": float(hc["hc_eps"])}
 
 
 def _check_supported(hf: dict[str, Any]) -> None:
@@ -144,11 +166,13 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "mtp_num_layers": int(hf.get("num_nextn_predict_layers", 0)),
+        **_hyper_connections(hf),
     }
 
 
 def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
-    """A ``glm_moe_dsa`` ``config.json`` dict for our ``model`` group (``export``).
+    """A ``glm_moe_dsa`` ``config.json`` dict for our ``model`` group (``export``); a
+    ``glm5_next_text`` one when ``model.hc_mult`` is set (mHC streams).
 
     KPool models (``dsa_indexer_kpool > 1``) are written as ``glm_moe_dsa`` plus the
     ``index_kpool`` / ``index_kpool_always_select_tail`` keys that glm5_next's indexer reads.
@@ -207,4 +231,27 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
     if m.dsa_indexer_kpool > 1:
         out["index_kpool"] = m.dsa_indexer_kpool
         out["index_kpool_always_select_tail"] = m.dsa_indexer_kpool_always_select_tail
-    return out
+    return out if m.hc_mult is None else _glm5_next_text(out, m)
+
+
+def _glm5_next_text(out: dict[str, Any], m: Any) -> dict[str, Any]:
+    """``out`` (a glm_moe_dsa config dict) as the ``glm5_next_text`` config of a model with mHC
+    streams (``model.hc_mult``): transformers' only model with hyper-connections, NoPE MLA whose
+    latent norms use ``rms_norm_eps``, per-layer ``layer_types`` / ``mlp_layer_types``."""
+    _require(m.qk_pos_emb_head_dim == 0, "model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim,
+             "0 with model.hc_mult set (glm5_next_text, the HF model with hyper-connections, is NoPE)")
+    _require(m.mla_latent_norm_epsilon in (None, m.layernorm_epsilon), "model.mla_latent_norm_epsilon",
+             m.mla_latent_norm_epsilon, f"null or model.layernorm_epsilon={m.layernorm_epsilon} with "
+             "model.hc_mult set (glm5_next_text's latent norms use rms_norm_eps)")
+    moe_freq = model_facts.moe_layer_freq(m.num_layers, m.num_moe_experts, m.moe_first_k_dense_layers)
+    drop = ("architectures", "first_k_dense_replace", "rope_parameters", "num_nextn_predict_layers")
+    return {**{k: v for k, v in out.items() if k not in drop},
+            "model_type": "glm5_next_text",
+            "layer_types": ["indexed_attention"] * m.num_layers,
+            "mlp_layer_types": ["sparse" if model_facts.is_moe(n, m.num_moe_experts, moe_freq) else "dense"
+                                for n in range(1, m.num_layers + 1)],
+            "index_kpool": m.dsa_indexer_kpool,
+            "index_kpool_always_select_tail": m.dsa_indexer_kpool_always_select_tail,
+            # This model has no SwiGLU clamp; transformers' clamp at +inf is the identity.
+            "swiglu_limit": float("inf"),
+            "hc_mult": m.hc_mult, "hc_sinkhorn_iters": m.hc_sinkhorn_iters, "hc_eps": m.hc_eps}

@@ -147,6 +147,13 @@ def _swiglu(meg: str, hf: str) -> list[TensorMap]:
             TensorMap(f"{meg}linear_fc2.weight", (f"{hf}down_proj.weight",))]
 
 
+def _hyper_connections(meg: str, hf: str) -> list[TensorMap]:
+    """A layer's mHC weights: megatron ``attn_hc.fn`` is the checkpoint's ``hc_attn_fn`` (the
+    names glm5_next checkpoints store; transformers renames them to ``attn_hc.fn`` on load)."""
+    return [TensorMap(f"{meg}{block}_hc.{part}", (f"{hf}hc_{block}_{part}",))
+            for block in ("attn", "ffn") for part in ("fn", "base", "scale")]
+
+
 def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> list[TensorMap]:
     """One decoder layer: megatron prefix ``meg`` (``decoder.layers.3.``), HF prefix ``hf``
     (``model.layers.3.``), 1-indexed ``layer_number`` for IndexShare."""
@@ -162,6 +169,8 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
             TensorMap(f"{meg}pre_mlp_layernorm.weight", (f"{hf}post_attention_layernorm.weight",))]
     if model_facts.computes_topk(layer_number, model.dsa_indexer_topk_freq, model.dsa_indexer_skip_topk_offset):
         maps += _indexer(model, f"{att}indexer.", f"{hatt}indexer.")
+    if model.hc_mult is not None:
+        maps += _hyper_connections(meg, hf)
     if not moe:
         return maps + _swiglu(f"{meg}mlp.", f"{hf}mlp.")
     maps += [TensorMap(f"{meg}mlp.router.weight", (f"{hf}mlp.gate.weight",)),

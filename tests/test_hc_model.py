@@ -1,0 +1,241 @@
+"""Models with mHC streams (``model.hc_mult``, kpool_layers/hyper_connections) end to end: logits
+against transformers' ``Glm5NextTextModel`` (hc_mult 1..4, the checkpoint imported by
+``scripts/convert_checkpoint.py``'s path), export back bit for bit, unsupported hc fields named,
+the config rules, recompute against none, a dist-checkpoint round trip, every precision profile
+builds, and through ``train.py``: PP = 2 equals PP = 1 and resume is exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import save_file  # noqa: E402
+
+from recipes.config.rules import all_problems  # noqa: E402
+from recipes.hf.config import model_config_from_hf  # noqa: E402
+from scripts.convert_checkpoint import export_hf, import_hf  # noqa: E402
+from tests.test_config import _compose  # noqa: E402
+from tests.test_hf_interop import our_model, safetensors_of  # noqa: E402
+from tests.train_runner import metrics, run_train  # noqa: E402
+
+SEQ, VOCAB, HIDDEN, LAYERS = 32, 320, 64, 3
+EPS32 = torch.finfo(torch.float32).eps
+# A tiny random glm5_next_text (GLM-5.3-Flash's text stack) whose layers are all DSA MLA: NoPE,
+# KPool 4 with the tail, top-8 < SEQ (sparse), one dense layer then MoE; 8 indexer heads (with 4,
+# pools whose ReLU'd scores are exactly 0 tie at the top-k boundary and either pick is right).
+TINY = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=32,
+            num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+            num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, qk_nope_head_dim=16,
+            v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=8, index_kpool=4,
+            index_kpool_always_select_tail=True, layer_types=["indexed_attention"] * LAYERS,
+            mlp_layer_types=["dense"] + ["sparse"] * (LAYERS - 1), indexer_types=["full"] * LAYERS,
+            pad_token_id=None, max_position_embeddings=128)
+
+
+def save_tiny_glm5_next(path: Path, hc_mult: int, seed: int = 0) -> tuple[Path, torch.nn.Module, torch.Tensor]:
+    """A random tiny ``Glm5NextTextModel`` written as a glm5_next_text checkpoint (``model.`` +
+    the tensor names transformers stores, ``hc_attn_fn`` ..., plus ``lm_head.weight``) and
+    ``config.json``; returns the directory, the model and the head. The mHC weights are drawn
+    far from their init (fn N(0, 0.1), base N(0, 0.5), scale N(1, 0.2)) so the streams mix."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    cfg = transformers.Glm5NextTextConfig(**TINY, hc_mult=hc_mult, hc_sinkhorn_iters=20, hc_eps=1e-6)
+    torch.manual_seed(seed)
+    model = transformers.Glm5NextTextModel(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("_hc.fn"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("_hc.base"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("_hc.scale"):
+                p.normal_(1.0, 0.2)
+            elif name.endswith("e_score_correction_bias"):
+                p.normal_(0.0, 0.05)
+            elif "index_kpool_compress" in name:
+                p.normal_(0.0, 0.3)
+        head = torch.randn(VOCAB, HIDDEN) * 0.02
+    state = {f"model.{k}": v.contiguous() for k, v in revert_weight_conversion(model, model.state_dict()).items()}
+    path.mkdir(parents=True)
+    save_file({**state, "lm_head.weight": head}, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return path, model, head
+
+
+@pytest.mark.parametrize("hc_mult", [1, 2, 3, 4])
+def test_logits_match_transformers(tmp_path: Path, single_rank_parallel_state, hc_mult: int) -> None:
+    """fp32 on both sides, the same operations in a different order (GEMM blockings, the sparse
+    attention's sums, our Hadamard-rotated index scores, which select the same pools). A
+    reordered sum of K rounded terms differs by about sqrt(K) eps32 relative (the probabilistic
+    rounding bound of Higham & Mary 2019; the worst case is K eps32); the longest sums are
+    K = N h <= 256 (the mHC projection), a block chains about 10 of them, there are 2 L = 6
+    blocks, and the streams carry each block's error forward at most doubled (comb is doubly
+    stochastic, post <= 2): 2 * 6 * 10 * sqrt(256) * eps32 ~ 2.3e-5 relative bounds the
+    logits' error. Measured ~3e-7 for every hc_mult."""
+    hf_dir, hf_model, head = save_tiny_glm5_next(tmp_path / "hf", hc_mult, seed=hc_mult)
+    model_cfg = import_hf(hf_dir, tmp_path / "ckpt")
+    assert (model_cfg.hc_mult, model_cfg.hc_sinkhorn_iters, model_cfg.hc_eps) == (hc_mult, 20, 1e-6)
+    ours = our_model(model_cfg, tmp_path / "ckpt")
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(hc_mult))
+    with torch.no_grad():
+        ref = hf_model(ids).last_hidden_state @ head.T
+        got = ours(ids, torch.arange(SEQ)[None].expand(2, -1), None)
+    err = float((got - ref).abs().max() / ref.abs().max())
+    print(f"hc_mult={hc_mult}: max |dlogit| / max |logit| = {err:.2e}")
+    assert err <= 2 * 6 * 10 * 16 * EPS32
+
+
+def test_export_round_trip_is_bit_exact(tmp_path: Path, single_rank_parallel_state) -> None:
+    hf_dir, _, _ = save_tiny_glm5_next(tmp_path / "hf", hc_mult=4)
+    import_hf(hf_dir, tmp_path / "ckpt")
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    original, exported = safetensors_of(hf_dir), safetensors_of(tmp_path / "out")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    reloaded = transformers.Glm5NextTextConfig(**{k: v for k, v in config.items() if k != "model_type"})
+    src = json.loads((hf_dir / "config.json").read_text())
+    for key in ("hc_mult", "hc_sinkhorn_iters", "hc_eps", "layer_types", "mlp_layer_types", "indexer_types",
+                "index_kpool", "index_kpool_always_select_tail", "qk_rope_head_dim"):
+        assert getattr(reloaded, key) == src[key], key
+    assert model_config_from_hf(config, "x")["hc_mult"] == 4
+
+
+def test_unsupported_hc_fields_are_named() -> None:
+    base = {**transformers.Glm5NextTextConfig(**TINY).to_dict()}
+    with pytest.raises(ValueError, match="hc_head_fn"):
+        model_config_from_hf({**base, "hc_head_fn": 1}, "x")
+    with pytest.raises(ValueError, match="hc_mult"):
+        model_config_from_hf({**base, "hc_mult": 0}, "x")
+    dsa = transformers.GlmMoeDsaConfig().to_dict()
+    with pytest.raises(ValueError, match="hc_mult"):
+        model_config_from_hf({**dsa, "hc_mult": 4}, "x")
+    assert "hc_mult" not in model_config_from_hf(dsa, "x")
+
+
+@pytest.mark.parametrize("overrides,key,says", [
+    (["model.hc_mult=4", "model.mtp_num_layers=1"], "model.mtp_num_layers", "hc_mult"),
+    (["model.hc_sinkhorn_iters=5"], "model.hc_sinkhorn_iters", "unless model.hc_mult"),
+    (["model.hc_mult=0"], "model.hc_mult", "[1, inf)"),
+])
+def test_config_rules(overrides: list[str], key: str, says: str) -> None:
+    found = all_problems(_compose(["model=glm5_tiny", *overrides]), 1)
+    assert len(found) == 1 and found[0].key == key and says in found[0].allowed, found
+
+
+HC = ["model=glm5_tiny", "model.hc_mult=4"]
+
+
+def _build(overrides: list[str], precision: str = "fp32") -> torch.nn.Module:
+    from recipes.config.megatron import to_transformer_config
+    from recipes.config.typed import to_config
+    from recipes.train.model import build_gpt_model
+
+    cfg = to_config(_compose([*HC, f"precision={precision}", *overrides]))
+    return build_gpt_model(cfg, to_transformer_config(cfg))
+
+
+def _step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    tokens, labels = (torch.randint(0, 512, (2, 40), generator=gen) for _ in range(2))
+    loss = model(tokens, torch.arange(40).expand(2, -1), None, labels=labels)
+    loss.sum().backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+RECOMPUTE = [  # (overrides, a module that runs twice with them)
+    (["train.recompute_granularity=full", "train.recompute_method=uniform", "train.recompute_num_layers=1"],
+     "decoder.layers.3.attn_hc"),
+    (["train.recompute_granularity=selective", "train.recompute_modules=[mlp,moe]"], "decoder.layers.0.mlp")]
+
+
+def test_recompute_equals_no_recompute(single_rank_parallel_state) -> None:
+    """Full (every layer, the streams [s, b, N, h] its checkpointed input) and selective
+    recompute rerun the same ops on the same inputs: loss and every gradient bit-equal to no
+    recompute, the mHC weights' included."""
+    torch.manual_seed(0)
+    ref_model = _build([])
+    ref_loss, ref_grads = _step(ref_model)
+    assert any(".attn_hc." in n for n in ref_grads) and any(".ffn_hc." in n for n in ref_grads)
+    for overrides, twice in RECOMPUTE:
+        assert not all_problems(_compose([*HC, *overrides]), 1), overrides
+        model = _build(overrides)
+        model.load_state_dict(ref_model.state_dict())
+        calls = []
+        model.get_submodule(twice).register_forward_hook(lambda *_: calls.append(1))
+        loss, grads = _step(model)
+        assert len(calls) == 2, (overrides, twice, len(calls))
+        assert torch.equal(loss, ref_loss) and grads.keys() == ref_grads.keys(), overrides
+        assert all(torch.equal(grads[n], g) for n, g in ref_grads.items()), overrides
+
+
+def test_hc_mult_unset_builds_todays_model(single_rank_parallel_state) -> None:
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from recipes.config.megatron import to_transformer_config
+    from recipes.config.typed import to_config
+    from recipes.train.model import build_gpt_model
+
+    cfg = to_config(_compose(["model=glm5_tiny", "precision=fp32"]))
+    model = build_gpt_model(cfg, to_transformer_config(cfg))
+    assert all(type(layer) is TransformerLayer for layer in model.decoder.layers)
+    assert not any("_hc." in n for n in model.state_dict())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "serving_match", "fp32"])
+def test_every_precision_profile_builds_with_mhc_proj_in_fp32(single_rank_parallel_state, precision: str) -> None:
+    from recipes.observe.precision_map import precision_map
+
+    model = _build([], precision)
+    rows = [r for r in precision_map(model) if r["role"] == "mhc.proj"]
+    assert len(rows) == 2 * 4 and {(r["dtype"], r["quantized"]) for r in rows} == {("float32", False)}
+    assert rows[0]["module"] == "decoder.layers.0.attn_hc.fn"
+
+
+def test_dist_checkpoint_round_trip(tmp_path: Path, single_rank_parallel_state) -> None:
+    from megatron.core import dist_checkpointing
+
+    torch.manual_seed(0)
+    model = _build([])
+    (tmp_path / "ckpt").mkdir()
+    dist_checkpointing.save(model.sharded_state_dict(), str(tmp_path / "ckpt"))
+    torch.manual_seed(1)
+    other = _build([])
+    assert not torch.equal(other.decoder.layers[0].attn_hc.fn, model.decoder.layers[0].attn_hc.fn)
+    other.load_state_dict(dist_checkpointing.load(other.sharded_state_dict(), str(tmp_path / "ckpt")))
+    for (name, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a, b), name
+
+
+TRAIN = ["model=glm5_tiny", "model.hc_mult=4", "precision=fp32", "data.seq_length=32", "train.lr_warmup_steps=0",
+         "logging.mode=disabled", "train.micro_batch_size=1", "train.global_batch_size=2"]
+
+
+@pytest.mark.dist
+def test_resume_exact_and_pp2_equals_pp1(tmp_path: Path) -> None:
+    """``train.py`` with hc_mult = 4. Resume: steps 3-4 resumed from the step-2 checkpoint equal
+    the uninterrupted run bit for bit. PP: the stream tensor [s, b, 4, h] crosses the stage
+    boundary; both layouts load the step-2 weights (``train.load``, fresh optimizer) and train
+    two steps. Step 1's loss is the same forward, bit for bit; step 2 follows one Adam update
+    from gradients whose global norm PP = 2 sums in another order (two stage partial sums):
+    a few eps32 relative in the clip factor, which Adam's first step divides out up to its
+    epsilon, so 16 eps32 relative bounds step 2's loss difference."""
+    run_train(tmp_path, "full", TRAIN + ["train.steps=4", "train.save_interval=2", "train.keep_checkpoints=3"])
+    ckpt = tmp_path / "full" / "checkpoints" / "iter_0000002"
+    out = run_train(tmp_path, "resumed", TRAIN + ["train.steps=4", f"train.resume={ckpt}"])
+    assert "resumed from" in out.stdout
+    full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full[2:]]
+    loaded = TRAIN + ["train.steps=2", f"train.load={ckpt}", "train.save_final=false"]
+    run_train(tmp_path, "pp1", loaded)
+    run_train(tmp_path, "pp2", loaded + ["parallelism=pp2"], nproc=2)
+    pp1, pp2 = ([r["loss"] for r in metrics(tmp_path / name)] for name in ("pp1", "pp2"))
+    assert pp2[0] == pp1[0], (pp1, pp2)
+    assert abs(pp2[1] - pp1[1]) <= 16 * EPS32 * abs(pp1[1]), (pp1, pp2)
