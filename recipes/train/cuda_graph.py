@@ -28,7 +28,6 @@ import torch
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper, StaticBufferLoader, get_shared_capture_stream
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from kpool_layers.hyper_connections import pipeline
 from kpool_layers.precision import weight_cache
 from recipes.config.schema import ConfigError, CudaGraphImpl, FP8WeightCache, TrainConfig
 
@@ -79,7 +78,6 @@ class ForwardBackward:
 
     def __call__(self, *, eager: bool = False, **kwargs: Any) -> Any:
         self.just_captured = False
-        kwargs.update(pipeline.schedule_kwargs(kwargs["model"]))  # the mHC streams' p2p shape
         if self._graphed is None or eager:
             with self._step_scope():
                 return self._eager(**kwargs)
