@@ -44,8 +44,11 @@ def analytic_param_count(m: ModelConfig) -> tuple[int, int]:
 
     moe_freq = model_facts.moe_layer_freq(m.num_layers, experts, m.moe_first_k_dense_layers)
 
+    streams = m.hc_mult or 0  # mHC: fn [(2 + N) N, N h], base [(2 + N) N], scale [3] per block
+    hyper = 2 * ((2 + streams) * streams * (streams * h + 1) + 3) if streams else 0
+
     def layer(number: int, moe: bool) -> tuple[int, int]:
-        base = 2 * h + attn
+        base = 2 * h + attn + hyper
         if model_facts.computes_topk(number, m.dsa_indexer_topk_freq, m.dsa_indexer_skip_topk_offset):
             base += indexer
         if not moe:
