@@ -2,7 +2,8 @@
 against transformers' ``Glm5NextTextModel`` (hc_mult 1..4, the checkpoint imported by
 ``scripts/convert_checkpoint.py``'s path), export back bit for bit, unsupported hc fields named,
 the config rules, recompute against none, a dist-checkpoint round trip, every precision profile
-builds, PP = 2 equals PP = 1 (two gloo ranks), and resume through ``train.py`` is exact."""
+builds, PP = 2 and TP = 2 + SP equal PP = 1 (two gloo ranks), and through ``train.py`` resume is
+exact and CP = 2 trains the losses of CP = 1."""
 
 from __future__ import annotations
 
@@ -339,9 +340,12 @@ TRAIN = ["model=glm5_tiny", "model.hc_mult=4", "precision=fp32", "data.seq_lengt
 
 
 @pytest.mark.dist
-def test_resume_is_exact(tmp_path: Path) -> None:
-    """``train.py`` with hc_mult = 4: step 3 resumed from the step-2 checkpoint equals the
-    uninterrupted run bit for bit (the mHC weights and their optimizer state round-trip)."""
+def test_resume_exact_and_cp2_equals_cp1(tmp_path: Path) -> None:
+    """``train.py`` with hc_mult = 4. Step 3 resumed from the step-2 checkpoint equals the
+    uninterrupted run bit for bit (the mHC weights and their optimizer state round-trip). CP = 2
+    (each rank's streams hold 2 of the row's 4 chunks; the mHC math is per token) trains the
+    losses of CP = 1: the same fp32 terms summed in another order over the ranks' tokens, ~1e-7
+    relative per step on a loss of ~6 (tests/test_train_cp.py's bound, 1e-5 absolute)."""
     run_train(tmp_path, "full", TRAIN + ["train.steps=3", "train.save_interval=2"])
     ckpt = tmp_path / "full" / "checkpoints" / "iter_0000002"
     out = run_train(tmp_path, "resumed", TRAIN + ["train.steps=3", f"train.resume={ckpt}"])
@@ -349,6 +353,10 @@ def test_resume_is_exact(tmp_path: Path) -> None:
     full, resumed = metrics(tmp_path / "full"), metrics(tmp_path / "resumed")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in resumed] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in full[2:]]
+    run_train(tmp_path, "cp2", TRAIN + ["train.steps=3", "train.save_final=false", "parallelism=cp2"], nproc=2)
+    cp2 = [r["loss"] for r in metrics(tmp_path / "cp2")]
+    assert cp2 == pytest.approx([r["loss"] for r in full], abs=1e-5, rel=0), (cp2, full)
+    assert len({r["loss"] for r in full}) == 3  # the steps train
 
 
 @pytest.mark.gpu
