@@ -142,11 +142,21 @@ def test_rejects_bad_sizes() -> None:
         our_config(4, iters=0)
 
 
-def test_base_and_scale_stay_fp32_through_casts() -> None:
-    """megatron's Float16Module calls ``module.bfloat16()``: ``fn`` follows, ``base``/``scale``
-    stay FP32 (transformers' ``_keep_in_fp32_modules_strict``); the projection's role is FP32."""
-    module = HyperConnection(our_config(4)).bfloat16()
-    assert module.fn.dtype == torch.bfloat16
-    assert module.base.dtype == module.scale.dtype == torch.float32
-    assert module.numerics.role.value == "mhc.proj" and not module.numerics.quantized
-    assert module.numerics.dtype(torch.bfloat16) == torch.float32
+def test_bf16_parameters_compute_in_fp32() -> None:
+    """A BF16 model's mHC (``Float16Module`` casts every parameter): the projection's role is
+    FP32, never FP8, and the math runs in FP32 on the BF16 values, i.e. transformers' module with
+    those values in its FP32 ``base``/``scale`` (``_keep_in_fp32_modules_strict``) and BF16 ``fn``."""
+    hf, ours = pair(4, seed=5)
+    ours = ours.bfloat16()
+    assert ours.fn.dtype == ours.base.dtype == ours.scale.dtype == torch.bfloat16
+    assert ours.numerics.role.value == "mhc.proj" and not ours.numerics.quantized
+    assert ours.numerics.dtype(torch.bfloat16) == torch.float32
+    with torch.no_grad():
+        hf.fn.copy_(ours.fn.float())
+        hf.base.copy_(ours.base.float())
+        hf.scale.copy_(ours.scale.float())
+    x = torch.randn(2, 5, 4, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    hf.fn.data = hf.fn.data.bfloat16()
+    with torch.no_grad():
+        for a, e in zip(ours(x), hf(x)):
+            torch.testing.assert_close(a, e, rtol=0.0, atol=0.0)

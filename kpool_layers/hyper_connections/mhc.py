@@ -18,8 +18,8 @@ iteration's convergence. The embeddings enter as ``N`` copies (:func:`expand_str
 layer's streams are collapsed by their unweighted mean (:func:`collapse_streams`) before the
 final norm.
 
-Parameters: ``fn [(2 + N) N, N h]`` (model dtype, used in float32), ``base [(2 + N) N]`` and
-``scale [3]`` (float32). They act per token, so they are replicated over TP; under sequence
+Parameters: ``fn [(2 + N) N, N h]``, ``base [(2 + N) N]`` and ``scale [3]``, in the model dtype,
+used in float32 (transformers holds ``base``/``scale`` in float32). They act per token, so they are replicated over TP; under sequence
 parallelism each TP rank sees other tokens, so they are tagged ``sequence_parallel`` and megatron's
 ``finalize_model_grads`` sums their gradients over the TP group.
 """
@@ -72,9 +72,13 @@ class HyperConnection(MegatronModule):
     Reads ``config.hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` (transformers' names); the
     stream norm's epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``). The
     projection ``z = x @ fn^T`` is the precision role ``mhc.proj`` (:attr:`numerics`, from
-    ``config.precision``: FP32, never FP8, as transformers computes it). ``base`` and ``scale``
-    stay FP32 through module casts (megatron's ``Float16Module`` calls ``module.bfloat16()``), as
-    transformers keeps them (``_keep_in_fp32_modules_strict``).
+    ``config.precision``: FP32, never FP8, as transformers computes it); ``base`` and ``scale``
+    enter the FP32 arithmetic after it. All three parameters are held in the model dtype like
+    every megatron parameter (the mixed-precision optimizer keeps their FP32 master copies):
+    trainable FP32 parameters in a BF16 model break megatron-core 0.19.2's distributed-optimizer
+    checkpoint (``sharded_param_state_dp_reshardable``). transformers keeps ``base``/``scale`` in
+    FP32 (``_keep_in_fp32_modules_strict``), so a BF16 model's values are exactly representable
+    there; an FP32 checkpoint's are rounded to BF16 when trained in BF16.
     """
 
     def __init__(self, config: GLMTransformerConfig, **_: Any) -> None:
@@ -91,23 +95,13 @@ class HyperConnection(MegatronModule):
         width = (2 + hc_mult) * hc_mult
         self.fn = torch.nn.Parameter(torch.empty(width, hc_mult * config.hidden_size,
                                                  dtype=config.params_dtype, device=device))
-        self.base = torch.nn.Parameter(torch.zeros(width, dtype=torch.float32, device=device))
-        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32, device=device))
+        self.base = torch.nn.Parameter(torch.zeros(width, dtype=config.params_dtype, device=device))
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=config.params_dtype, device=device))
         for param in (self.fn, self.base, self.scale):
             param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         if config.perform_initialization:  # transformers' init: fn N(0, 0.02), base 0, scale 1
             with torch.no_grad():
                 self.fn.normal_(0.0, 0.02)
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
-        """Module casts/moves, except that ``base`` and ``scale`` never drop below FP32."""
-        module = super()._apply(fn, recurse)
-        for param in (self.base, self.scale):
-            if param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.float()
-                if param.grad is not None:
-                    param.grad = param.grad.float()
-        return module
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.hc_mult
@@ -116,8 +110,8 @@ class HyperConnection(MegatronModule):
         dtype = self.numerics.dtype(self.fn.dtype)  # mhc.proj: float32
         z = torch.nn.functional.linear(flat.to(dtype), self.fn.to(dtype))
         pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = self.scale.unbind(0)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
         comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
