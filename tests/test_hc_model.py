@@ -370,3 +370,23 @@ def test_cuda_graph_replay_equals_eager(tmp_path: Path) -> None:
     eager = _losses(tmp_path, "eager", dense)
     graphed = _losses(tmp_path, "graphed", dense + [GRAPHS], captured_at=2)
     assert len(eager[0]) == 5 and graphed == eager
+
+
+def test_bf16_model_saves_its_distributed_optimizer_state(single_rank_parallel_state) -> None:
+    """The trainer's BF16 build (``Float16Module``, megatron's DDP and distributed optimizer)
+    with hc_mult = 4 takes an optimizer step and gives the checkpoint's sharded optimizer state
+    (the mHC weights sit in the BF16 buffer with every other parameter)."""
+    from recipes.checkpoint.store import OPTIMIZER_SHARDING, unwrap
+    from recipes.config.typed import to_config
+    from recipes.loop import _build as build_trainer
+
+    cfg = to_config(_compose([*HC, "precision=bf16"]))
+    trainer = build_trainer(cfg)
+    gen = torch.Generator().manual_seed(1)
+    tokens, labels = (torch.randint(0, 512, (1, 32), generator=gen) for _ in range(2))
+    trainer.model(tokens, torch.arange(32)[None], None, labels=labels).sum().backward()
+    trainer.model.finish_grad_sync()
+    trainer.optimizer.step()
+    model_sd = unwrap(trainer.model).sharded_state_dict()
+    state = trainer.optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=OPTIMIZER_SHARDING)
+    assert state and unwrap(trainer.model).decoder.layers[0].attn_hc.base.dtype == torch.bfloat16
