@@ -55,6 +55,17 @@ class GLMTransformerConfig(MLATransformerConfig):
     read. None: the ``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset`` schedule
     (:class:`kpool_layers.model_facts.LayerPattern`)."""
 
+    hc_mult: int | None = None
+    """mHC residual streams around every attention and MLP block
+    (:mod:`kpool_layers.hyper_connections`); None = a plain residual (transformers' ``hc_mult``,
+    GLM-5.3: 4)."""
+
+    hc_sinkhorn_iters: int = 20
+    """Sinkhorn iterations making each block's stream-mixing matrix doubly stochastic."""
+
+    hc_eps: float = 1e-6
+    """mHC's floor: added to the pre weights and the mixing matrix, and to each Sinkhorn sum."""
+
     mla_latent_norm_epsilon: float | None = None
     """Epsilon of the MLA q/kv latent RMSNorms (``q_layernorm``, ``kv_layernorm``); None = the
     model's ``layernorm_epsilon``. transformers' glm_moe_dsa uses 1e-6 there (with rms_norm_eps
@@ -81,6 +92,10 @@ class GLMTransformerConfig(MLATransformerConfig):
         if self.linear_attention_kernels not in ("torch", "fla"):
             raise ValueError(f"linear_attention_kernels={self.linear_attention_kernels!r} is not "
                              "allowed; allowed: torch, fla ('auto' is resolved by the recipes)")
+        if self.hc_mult is not None and self.hc_mult < 1:
+            raise ValueError(f"hc_mult={self.hc_mult} is not allowed; allowed: None (off) or >= 1")
+        if self.hc_sinkhorn_iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters={self.hc_sinkhorn_iters} is not allowed; allowed: >= 1")
         problem = model_facts.kpool_problem(self.dsa_indexer_kpool, self.dsa_indexer_topk)
         if problem is not None:
             key, value, allowed = problem

@@ -43,6 +43,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from kpool_layers.config import GLMTransformerConfig
 from kpool_layers.linear_attention.kda import kda_spec
+from kpool_layers.hyper_connections.layer import hyper_connected_spec
 from kpool_layers.moe.experts import GroupedExperts
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_builder
 from kpool_layers.moe.router import FusedTopKRouter
@@ -115,8 +116,11 @@ def glm_decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """The layers this pipeline stage builds (all of them when PP = 1) and the final norm. Each
     layer's spec is chosen by its number: KDA or DSA attention (:func:`layer_attention_spec`),
-    dense MLP or MoE (``moe_layer_freq``); megatron's ``TransformerBlock`` builds the list."""
-    layers = [glm_layer_spec(config, layer_attention_spec(config, attention, n), config.is_moe(n))
+    dense MLP or MoE (``moe_layer_freq``); with ``config.hc_mult`` each layer carries mHC streams
+    (:func:`kpool_layers.hyper_connections.layer.hyper_connected_spec`); megatron's
+    ``TransformerBlock`` builds the list."""
+    layers = [hyper_connected_spec(config, glm_layer_spec(config, layer_attention_spec(config, attention, n),
+                                                          config.is_moe(n)), n)
               for n in range(1, config.num_layers + 1)]
     offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
     per_stage = get_num_layers_to_build(config, pp_rank=pp_rank)  # uneven first/last stages too

@@ -30,6 +30,7 @@ from megatron.core.transformer.module import Float16Module
 from omegaconf import DictConfig
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.hyper_connections import pipeline
 from kpool_layers.compat.device_copy import to_device
 from recipes.checkpoint import store as ckpt
 from recipes.train import data as data_lib
@@ -343,7 +344,7 @@ def _train_steps(cfg: Config, run_dir: Path, ckpt_root: Path, overrides: list[st
                 data_iterator=batches,
                 model=[trainer.model], num_microbatches=trainer.num_microbatches,
                 seq_length=cfg.data.seq_length, micro_batch_size=t.micro_batch_size,
-                forward_only=False,
+                forward_only=False, **pipeline.schedule_kwargs([trainer.model]),  # mHC streams' p2p shape
             )
             if fwd_bwd.just_captured:
                 _print0(f"step {progress.step + 1}: forward-backward captured as one CUDA graph; "

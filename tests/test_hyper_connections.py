@@ -32,12 +32,13 @@ def hf_config(hc_mult: int, iters: int = 20):  # noqa: ANN201
         num_key_value_heads=2, index_topk=16, index_kpool=4, vocab_size=300, pad_token_id=0)
 
 
-def our_config():  # noqa: ANN201
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def our_config(hc_mult: int, iters: int = 20):  # noqa: ANN201
+    from kpool_layers.config import GLMTransformerConfig
 
-    return TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
-                             layernorm_epsilon=1e-5, use_cpu_initialization=True,
-                             params_dtype=torch.float32)
+    return GLMTransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
+                                layernorm_epsilon=1e-5, use_cpu_initialization=True,
+                                params_dtype=torch.float32, hc_mult=hc_mult, hc_sinkhorn_iters=iters,
+                                hc_eps=1e-6)
 
 
 def pair(hc_mult: int, seed: int = 0) -> tuple[torch.nn.Module, HyperConnection]:
@@ -52,8 +53,7 @@ def pair(hc_mult: int, seed: int = 0) -> tuple[torch.nn.Module, HyperConnection]
         hf.fn.normal_(0.0, 0.3)
         hf.base.normal_(0.0, 1.0)
         hf.scale.normal_(1.0, 0.3)
-    ours = HyperConnection(our_config(), hc_mult=cfg.hc_mult, hc_sinkhorn_iters=cfg.hc_sinkhorn_iters,
-                           hc_eps=cfg.hc_eps)
+    ours = HyperConnection(our_config(cfg.hc_mult, cfg.hc_sinkhorn_iters))
     with torch.no_grad():
         for name in ("fn", "base", "scale"):
             getattr(ours, name).copy_(getattr(hf, name))
@@ -137,6 +137,26 @@ def test_sinkhorn_doubly_stochastic_within_its_contraction_bound(n: int, iters: 
 
 def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError, match="hc_mult=0"):
-        HyperConnection(our_config(), hc_mult=0, hc_sinkhorn_iters=20, hc_eps=1e-6)
+        our_config(0)
     with pytest.raises(ValueError, match="hc_sinkhorn_iters=0"):
-        HyperConnection(our_config(), hc_mult=4, hc_sinkhorn_iters=0, hc_eps=1e-6)
+        our_config(4, iters=0)
+
+
+def test_bf16_parameters_compute_in_fp32() -> None:
+    """A BF16 model's mHC (``Float16Module`` casts every parameter): the projection's role is
+    FP32, never FP8, and the math runs in FP32 on the BF16 values, i.e. transformers' module with
+    those values in its FP32 ``base``/``scale`` (``_keep_in_fp32_modules_strict``) and BF16 ``fn``."""
+    hf, ours = pair(4, seed=5)
+    ours = ours.bfloat16()
+    assert ours.fn.dtype == ours.base.dtype == ours.scale.dtype == torch.bfloat16
+    assert ours.numerics.role.value == "mhc.proj" and not ours.numerics.quantized
+    assert ours.numerics.dtype(torch.bfloat16) == torch.float32
+    with torch.no_grad():
+        hf.fn.copy_(ours.fn.float())
+        hf.base.copy_(ours.base.float())
+        hf.scale.copy_(ours.scale.float())
+    x = torch.randn(2, 5, 4, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    hf.fn.data = hf.fn.data.bfloat16()
+    with torch.no_grad():
+        for a, e in zip(ours(x), hf(x)):
+            torch.testing.assert_close(a, e, rtol=0.0, atol=0.0)

@@ -95,6 +95,7 @@ SHAPES = [
      "model.moe_first_k_dense_layers=0"],
     ["model.moe_shared_expert_intermediate_size=null", "model.untie_embeddings_and_output_weights=false",
      "model.mtp_num_layers=2"],
+    ["model.hc_mult=3", "model.qk_pos_emb_head_dim=0"],
 ]
 
 

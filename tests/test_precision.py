@@ -36,7 +36,7 @@ def test_profile_routing_table(name):
     policy = profile_policy(name)
     got = {role.value for role in Role if policy.quantized(role)}
     assert got == EXPECTED_QUANTIZED[name]
-    assert len(Role) == 21
+    assert len(Role) == 22
 
 
 def test_profile_dtypes_and_flags():
@@ -46,6 +46,7 @@ def test_profile_dtypes_and_flags():
     assert sm.dsa_indexer_kpool_use_quantization and sm.dsa_indexer_k_norm_fp32
     assert sm.compute_dtype("indexer.weights", bf16) == torch.float32
     assert sm.compute_dtype("moe.router", bf16) == torch.float32
+    assert sm.compute_dtype("mhc.proj", bf16) == torch.float32 and not sm.quantized("mhc.proj")
     assert all(sm.compute_dtype(role, bf16) == bf16 for role in ("embedding", "output", "mla.q_up"))
     fp8_profile = profile_policy("fp8")
     assert fp8_profile.compute_dtype("indexer.weights", bf16) == bf16

@@ -18,8 +18,8 @@ iteration's convergence. The embeddings enter as ``N`` copies (:func:`expand_str
 layer's streams are collapsed by their unweighted mean (:func:`collapse_streams`) before the
 final norm.
 
-Parameters: ``fn [(2 + N) N, N h]`` (model dtype, used in float32), ``base [(2 + N) N]`` and
-``scale [3]`` (float32). They act per token, so they are replicated over TP; under sequence
+Parameters: ``fn [(2 + N) N, N h]``, ``base [(2 + N) N]`` and ``scale [3]``, in the model dtype,
+used in float32 (transformers holds ``base``/``scale`` in float32). They act per token, so they are replicated over TP; under sequence
 parallelism each TP rank sees other tokens, so they are tagged ``sequence_parallel`` and megatron's
 ``finalize_model_grads`` sums their gradients over the TP group.
 """
@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
+
+from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.precision.policy import LinearNumerics, Role
 
 
 def expand_streams(hidden: Tensor, hc_mult: int) -> Tensor:
@@ -67,25 +69,34 @@ class HyperConnection(MegatronModule):
     """One block's mHC weights (module docstring): ``forward(streams [..., N, h])`` ->
     ``(post [..., N] fp32, comb [..., N, N] fp32, block input [..., h] in the streams' dtype)``.
 
-    ``hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` are transformers' names; the stream norm's
-    epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``).
+    Reads ``config.hc_mult``, ``hc_sinkhorn_iters`` and ``hc_eps`` (transformers' names); the
+    stream norm's epsilon is ``config.layernorm_epsilon`` (transformers' ``rms_norm_eps``). The
+    projection ``z = x @ fn^T`` is the precision role ``mhc.proj`` (:attr:`numerics`, from
+    ``config.precision``: FP32, never FP8, as transformers computes it); ``base`` and ``scale``
+    enter the FP32 arithmetic after it. All three parameters are held in the model dtype like
+    every megatron parameter (the mixed-precision optimizer keeps their FP32 master copies):
+    trainable FP32 parameters in a BF16 model break megatron-core 0.19.2's distributed-optimizer
+    checkpoint (``sharded_param_state_dp_reshardable``). transformers keeps ``base``/``scale`` in
+    FP32 (``_keep_in_fp32_modules_strict``), so a BF16 model's values are exactly representable
+    there; an FP32 checkpoint's are rounded to BF16 when trained in BF16.
     """
 
-    def __init__(self, config: TransformerConfig, hc_mult: int, hc_sinkhorn_iters: int,
-                 hc_eps: float, **_: Any) -> None:
+    def __init__(self, config: GLMTransformerConfig, **_: Any) -> None:
         super().__init__(config=config)
-        if hc_mult < 1:
+        hc_mult, iters = config.hc_mult, config.hc_sinkhorn_iters
+        if hc_mult is None or hc_mult < 1:
             raise ValueError(f"hc_mult={hc_mult} is not allowed; allowed: >= 1")
-        if hc_sinkhorn_iters < 1:
-            raise ValueError(f"hc_sinkhorn_iters={hc_sinkhorn_iters} is not allowed; allowed: >= 1")
-        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps = hc_mult, hc_sinkhorn_iters, hc_eps
+        if iters < 1:
+            raise ValueError(f"hc_sinkhorn_iters={iters} is not allowed; allowed: >= 1")
+        self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps = hc_mult, iters, config.hc_eps
         self.norm_eps = config.layernorm_epsilon
+        self.numerics = LinearNumerics(config.precision, Role.MHC_PROJ)
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         width = (2 + hc_mult) * hc_mult
         self.fn = torch.nn.Parameter(torch.empty(width, hc_mult * config.hidden_size,
                                                  dtype=config.params_dtype, device=device))
-        self.base = torch.nn.Parameter(torch.zeros(width, dtype=torch.float32, device=device))
-        self.scale = torch.nn.Parameter(torch.ones(3, dtype=torch.float32, device=device))
+        self.base = torch.nn.Parameter(torch.zeros(width, dtype=config.params_dtype, device=device))
+        self.scale = torch.nn.Parameter(torch.ones(3, dtype=config.params_dtype, device=device))
         for param in (self.fn, self.base, self.scale):
             param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         if config.perform_initialization:  # transformers' init: fn N(0, 0.02), base 0, scale 1
@@ -96,10 +107,11 @@ class HyperConnection(MegatronModule):
         n = self.hc_mult
         flat = streams.flatten(-2).float()
         flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
-        z = torch.nn.functional.linear(flat, self.fn.float())
+        dtype = self.numerics.dtype(self.fn.dtype)  # mhc.proj: float32
+        z = torch.nn.functional.linear(flat.to(dtype), self.fn.to(dtype))
         pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = self.scale.unbind(0)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
         comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)

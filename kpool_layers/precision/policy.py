@@ -57,6 +57,7 @@ class Role(str, enum.Enum):
     MOE_SHARED_FC1 = "moe.shared_fc1"
     MOE_SHARED_FC2 = "moe.shared_fc2"
     MOE_ROUTER = "moe.router"
+    MHC_PROJ = "mhc.proj"
     EMBEDDING = "embedding"
     OUTPUT = "output"
 
@@ -65,8 +66,9 @@ _MLA_ROLES = {Role.MLA_Q_DOWN, Role.MLA_Q_UP, Role.MLA_KV_DOWN, Role.MLA_KV_UP, 
 _INDEXER_QK_ROLES = {Role.INDEXER_Q, Role.INDEXER_K, Role.INDEXER_KPOOL_GATE}
 _KDA_PROJ_ROLES = {Role.KDA_QKV, Role.KDA_OUT}
 """KDA's q/k/v and output projections: attention projections like MLA's (the same switch)."""
-_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.EMBEDDING, Role.OUTPUT, Role.KDA_GATE}
+_NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.MHC_PROJ, Role.EMBEDDING, Role.OUTPUT, Role.KDA_GATE}
 """``kda.gate`` (the rank-D forget/output gate projections and beta) feeds exp/sigmoid decays."""
+_FP32_ROLES = {Role.MOE_ROUTER, Role.MHC_PROJ}
 
 
 class DType(enum.StrEnum):
@@ -177,7 +179,7 @@ class PrecisionPolicy:
         operands are quantized from / its output returned in this dtype) in a model whose
         weights are ``params_dtype``."""
         role = Role(role)
-        if role is Role.MOE_ROUTER:
+        if role in _FP32_ROLES:
             return torch.float32
         if role is Role.INDEXER_WEIGHTS and self.dsa_indexer_weights_proj_dtype != WeightsProjDtype.inherit:
             return DType(self.dsa_indexer_weights_proj_dtype.value).torch_dtype

@@ -21,8 +21,8 @@ from kpool_layers.precision.policy import WeightsProjDtype, available_backends
 from recipes.config import recompute
 from recipes.config.fp8_only import check_fp8_only_keys
 from recipes.config.keys import check_config_keys
-from recipes.config.schema import (ConfigError, CudaGraphImpl, DataKind, Dispatcher, DriftReference, Range,
-                                   numeric_fields)
+from recipes.config.schema import (ConfigError, CudaGraphImpl, DataKind, Dispatcher, DriftReference,
+                                   ModelConfig, Range, numeric_fields)
 
 
 _found: ContextVar[Optional[list[ConfigError]]] = ContextVar("_found", default=None)
@@ -157,6 +157,7 @@ def _check_rules(cfg: DictConfig, world_size: int) -> None:
         _require(d.tokenizer is not None, "data.tokenizer", None,
                  "a local Hugging Face tokenizer path when data.kind=indexed")
     _check_rollout(m, d, t)
+    _check_hyper_connections(m)
     _check_validation(d, t)
     _require(t.min_lr <= t.lr, "train.min_lr", t.min_lr, f"0..train.lr={t.lr}")
     _require(t.lr_warmup_steps < t.steps, "train.lr_warmup_steps", t.lr_warmup_steps,
@@ -235,6 +236,22 @@ def _check_rollout(m: DictConfig, d: DictConfig, t: DictConfig) -> None:
              "MTP only as a speculative draft, on other inputs)")
     _require(t.micro_batch_size == 1, "train.micro_batch_size", t.micro_batch_size,
              "1 with data=rollout (each micro batch is one packed THD row)")
+
+
+def _check_hyper_connections(m: DictConfig) -> None:
+    """``model.hc_mult`` (mHC streams): no MTP layers with them (neither transformers' glm5_next
+    nor megatron defines MTP on streams); the other ``hc_*`` keys only with it (they would do
+    nothing)."""
+    if m.hc_mult is None:
+        for key in ("hc_sinkhorn_iters", "hc_eps"):
+            default = getattr(ModelConfig, key)
+            _require(m[key] == default, f"model.{key}", m[key],
+                     f"{default} (the default) unless model.hc_mult is set: without hyper-connections "
+                     "it does nothing")
+        return
+    _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
+             f"0 with model.hc_mult={m.hc_mult} (MTP layers on mHC streams are not built: "
+             "transformers' glm5_next has no MTP layers)")
 
 
 def _check_validation(d: DictConfig, t: DictConfig) -> None:

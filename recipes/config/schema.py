@@ -179,6 +179,11 @@ class ModelConfig:
     moe_grouped_gemm: Optional[bool] = None  # null = auto: true on GPUs without FP8 experts (recipes.config.megatron)
     # Multi-token prediction.
     mtp_num_layers: int = num(0, 0)
+    # mHC hyper-connections (transformers' names, docs/hyper_connections.md): hc_mult residual
+    # streams around every attention and MLP block; null = a plain residual.
+    hc_mult: Optional[int] = num(None, 1)
+    hc_sinkhorn_iters: int = num(20, 1)
+    hc_eps: float = num(1e-6, 0.0)
 
 
 class DriftReference(str, Enum):

@@ -23,6 +23,9 @@ from typing import Any
 from kpool_layers import model_facts
 
 SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "glm5_next_text")
+HC_DEFAULTS = {"hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6}
+"""transformers' ``Glm5NextTextConfig`` mHC fields and their defaults (a glm5_next_text config
+always has hyper-connections; glm_moe_dsa has none)."""
 INDEXER_K_NORM_EPS = 1e-6
 MLA_LATENT_NORM_EPS = 1e-6
 
@@ -70,6 +73,25 @@ def _index_share(hf: dict[str, Any], num_layers: int) -> dict[str, int]:
     return {"dsa_indexer_topk_freq": freq, "dsa_indexer_skip_topk_offset": offset if freq > 1 else 0}
 
 
+def _hyper_connections(hf: dict[str, Any]) -> dict[str, Any]:
+    """``model.hc_*`` for a glm5_next_text config (its ``hc_*`` fields, transformers' defaults
+    where absent); none for glm_moe_dsa, which must carry no ``hc_*`` field."""
+    present = sorted(k for k in hf if k.startswith("hc_"))
+    if hf["model_type"] != "glm5_next_text":
+        _require(not present, present[0] if present else "hc_*", hf.get(present[0]) if present else None,
+                 f"no hc_* field in a {hf['model_type']} config (it has no hyper-connections)")
+        return {}
+    unknown = [k for k in present if k not in HC_DEFAULTS]
+    _require(not unknown, unknown[0] if unknown else "hc_*", hf.get(unknown[0]) if unknown else None,
+             f"the mHC fields {', '.join(HC_DEFAULTS)} only")
+    hc = {k: hf.get(k, default) for k, default in HC_DEFAULTS.items()}
+    for key in ("hc_mult", "hc_sinkhorn_iters"):
+        _require(isinstance(hc[key], int) and hc[key] >= 1, key, hc[key], "an integer >= 1")
+    _require(isinstance(hc["hc_eps"], (int, float)) and 0 <= hc["hc_eps"] < 1, "hc_eps", hc["hc_eps"],
+             "a number in [0, 1)")
+    return {"hc_mult": hc["hc_mult"], "hc_sinkhorn_iters": hc["hc_sinkhorn_iters"], "hc_eps": float(hc["hc_eps"])}
+
+
 def _check_supported(hf: dict[str, Any]) -> None:
     _require(hf.get("model_type") in SUPPORTED_MODEL_TYPES, "model_type", hf.get("model_type"),
              ", ".join(SUPPORTED_MODEL_TYPES))
@@ -94,7 +116,7 @@ METADATA = "metadata"
 """A field that does not change the model's tensors or its forward (bookkeeping, generation,
 training-loss settings that are ``train``/``model`` choices here)."""
 
-HC_FIELDS = ("hc_mult", "hc_eps", "hc_sinkhorn_iters")
+HC_FIELDS = tuple(HC_DEFAULTS)
 """glm5_next's mHC hyper-connection fields."""
 
 GLM5_NEXT_TEXT_FIELDS: dict[str, str] = {
@@ -115,13 +137,11 @@ GLM5_NEXT_TEXT_FIELDS: dict[str, str] = {
         "base_config_key", "_name_or_path", "output_hidden_states", "output_attentions",
         "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
         "problem_type", "tokenizer_class")},
-    **{key: "mHC hyper-connections (transformers' Glm5NextTextHyperConnection) are not part of "
-            "this model" for key in HC_FIELDS},
+    **{key: READ for key in HC_FIELDS},  # model.hc_* (kpool_layers/hyper_connections)
 }
 """Every ``glm5_next_text`` config field and what the conversion does with it: :data:`READ`,
 :data:`METADATA`, or (any other string) why it is refused. A field not listed is refused as
-unknown. The mHC fields :data:`HC_FIELDS` are refused until the model builds them (their entries
-become :data:`READ` with the ``model`` keys they set)."""
+unknown."""
 
 
 def check_fields(hf: dict[str, Any], table: dict[str, str]) -> None:
@@ -248,11 +268,13 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "mtp_num_layers": int(hf.get("num_nextn_predict_layers", 0)),
+        **_hyper_connections(hf),
     }
 
 
 def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
-    """A ``glm_moe_dsa`` ``config.json`` dict for our ``model`` group (``export``).
+    """A ``glm_moe_dsa`` ``config.json`` dict for our ``model`` group (``export``); a
+    ``glm5_next_text`` one when ``model.hc_mult`` is set (mHC streams).
 
     KPool models (``dsa_indexer_kpool > 1``) are written as ``glm_moe_dsa`` plus the
     ``index_kpool`` / ``index_kpool_always_select_tail`` keys that glm5_next's indexer reads.
@@ -312,14 +334,16 @@ def hf_config_from_model(model: Any, dtype: str) -> dict[str, Any]:
     if m.dsa_indexer_kpool > 1:
         out["index_kpool"] = m.dsa_indexer_kpool
         out["index_kpool_always_select_tail"] = m.dsa_indexer_kpool_always_select_tail
-    if model_facts.LayerPattern.of(m).hybrid or m.activation_func_clamp_value is not None:
+    if (model_facts.LayerPattern.of(m).hybrid or m.activation_func_clamp_value is not None
+            or m.hc_mult is not None):
         return glm5_next_text_config(m, out)
     return out
 
 
 def glm5_next_text_config(m: Any, base: dict[str, Any]) -> dict[str, Any]:
-    """A ``glm5_next_text`` ``config.json`` dict for a model with KDA layers or the SwiGLU clamp
-    (transformers' glm5_next builds those): ``base`` (the glm_moe_dsa fields) with glm5_next's
+    """A ``glm5_next_text`` ``config.json`` dict for a model with KDA layers, the SwiGLU clamp or
+    mHC streams (transformers' glm5_next builds those; without a clamp its ``swiglu_limit`` is
+    written as +inf, where transformers' clamp is the identity): ``base`` (the glm_moe_dsa fields) with glm5_next's
     names; checked against :data:`GLM5_NEXT_TEXT_FIELDS`."""
     pattern = model_facts.LayerPattern.of(m)
     _require(m.qk_pos_emb_head_dim == 0, "model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim,
@@ -327,8 +351,6 @@ def glm5_next_text_config(m: Any, base: dict[str, Any]) -> dict[str, Any]:
     _require(m.mla_latent_norm_epsilon in (None, m.layernorm_epsilon), "model.mla_latent_norm_epsilon",
              m.mla_latent_norm_epsilon, "null (glm5_next's latent norms use rms_norm_eps)")
     _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers, "0 (glm5_next has no MTP)")
-    _require(m.activation_func_clamp_value is not None, "model.activation_func_clamp_value", None,
-             "a limit (glm5_next always clamps SwiGLU; its swiglu_limit defaults to 10)")
     bad = pattern.hf_shareable()
     _require(bad is None, "model.dsa_indexer_types", m.dsa_indexer_types,
              f"'shared' only right after a 'full' DSA layer (transformers hands a top-k to the next "
@@ -346,12 +368,15 @@ def glm5_next_text_config(m: Any, base: dict[str, Any]) -> dict[str, Any]:
         else list(m.dsa_indexer_types),
         "mlp_layer_types": ["sparse" if model_facts.is_moe(n, experts, moe_freq) else "dense"
                             for n in range(1, m.num_layers + 1)],
-        "swiglu_limit": m.activation_func_clamp_value,
+        "swiglu_limit": (float("inf") if m.activation_func_clamp_value is None
+                         else m.activation_func_clamp_value),
         "linear_num_heads": m.linear_num_key_heads, "linear_head_dim": m.linear_key_head_dim,
         "linear_conv_kernel_dim": m.linear_conv_kernel_dim, "linear_lower_bound": m.linear_gate_lower_bound,
         "index_kpool": m.dsa_indexer_kpool,
         "index_kpool_always_select_tail": bool(m.dsa_indexer_kpool_always_select_tail),
         "pad_token_id": None,
     })
+    if m.hc_mult is not None:
+        out.update({"hc_mult": m.hc_mult, "hc_sinkhorn_iters": m.hc_sinkhorn_iters, "hc_eps": m.hc_eps})
     check_fields(out, GLM5_NEXT_TEXT_FIELDS)
     return out

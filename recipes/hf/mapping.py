@@ -178,6 +178,12 @@ def kda_maps(att: str, hatt: str) -> list[TensorMap]:
                    TensorMap(f"{att}A_log", (f"{hatt}A_log",)),
                    TensorMap(f"{att}out_norm_weight", (f"{hatt}o_norm.weight",))]
 
+def _hyper_connections(meg: str, hf: str) -> list[TensorMap]:
+    """A layer's mHC weights: megatron ``attn_hc.fn`` is the checkpoint's ``hc_attn_fn`` (the
+    names glm5_next checkpoints store; transformers renames them to ``attn_hc.fn`` on load)."""
+    return [TensorMap(f"{meg}{block}_hc.{part}", (f"{hf}hc_{block}_{part}",))
+            for block in ("attn", "ffn") for part in ("fn", "base", "scale")]
+
 
 def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> list[TensorMap]:
     """One decoder layer: megatron prefix ``meg`` (``decoder.layers.3.``), HF prefix ``hf``
@@ -205,8 +211,9 @@ def layer_maps(model: Any, meg: str, hf: str, layer_number: int, moe: bool) -> l
 
 
 def _mlp_maps(model: Any, meg: str, hf: str, moe: bool) -> list[TensorMap]:
-    """A layer's dense MLP or MoE (router, every routed expert, the shared expert)."""
-    maps: list[TensorMap] = []
+    """A layer's mHC weights (with ``model.hc_mult``) and its dense MLP or MoE (router, every
+    routed expert, the shared expert)."""
+    maps: list[TensorMap] = _hyper_connections(meg, hf) if model.hc_mult is not None else []
     if not moe:
         return maps + _swiglu(f"{meg}mlp.", f"{hf}mlp.")
     maps += [TensorMap(f"{meg}mlp.router.weight", (f"{hf}mlp.gate.weight",)),

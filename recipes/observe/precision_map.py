@@ -51,6 +51,7 @@ from kpool_layers.precision.fp8 import SERVING_QUANT
 from kpool_layers.precision.hadamard import HADAMARD
 from kpool_layers.precision.policy import FP8_DEQUANT, FP8_GEMM, FP8_QUANT
 from kpool_layers.moe.experts import GroupedExperts
+from kpool_layers.hyper_connections.mhc import HyperConnection
 from kpool_layers.dsa.indexer import DSAIndexer
 from kpool_layers.linear_attention.backends import LINEAR_ATTENTION
 from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, resolve_backend
@@ -96,8 +97,8 @@ def _row(module: str, numerics: Optional[LinearNumerics], weight_dtype: torch.dt
 
 def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]:
     """The precision map: one row per linear-like module of ``model`` (parallel linears,
-    ``nn.Linear``, embedding, router) and per stacked weight of grouped experts
-    (``<experts>.weight1`` / ``.weight2``) with ``module`` (wrapper prefixes removed), ``role`` (or
+    ``nn.Linear``, embedding, router), per stacked weight of grouped experts
+    (``<experts>.weight1`` / ``.weight2``) and per mHC projection (``<attn_hc|ffn_hc>.fn``) with ``module`` (wrapper prefixes removed), ``role`` (or
     None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
     rows, else ``"none"``) and ``note`` (why the linear's forward does not compute its role, else
     None), from the module's ``role`` and ``numerics``."""
@@ -106,6 +107,8 @@ def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]
         if isinstance(module, GroupedExperts):
             rows += [_row(f"{name}.{weight}", numerics, getattr(module, weight).dtype, backend)
                      for weight, numerics in module.numerics.items()]
+        elif isinstance(module, HyperConnection):  # its projection fn, role mhc.proj
+            rows.append(_row(f"{name}.fn", module.numerics, module.fn.dtype, backend))
         elif isinstance(module, _LINEAR_TYPES):
             rows.append(_row(name, getattr(module, "numerics", None), module.weight.dtype, backend))
     return rows

@@ -51,8 +51,11 @@ def analytic_param_count(m: ModelConfig) -> tuple[int, int]:
     kda = (3 * h * width + 2 * (h * d_kda + d_kda * width) + h * heads_kda + width * h
            + 3 * width * m.linear_conv_kernel_dim + width + heads_kda + d_kda)
 
+    streams = m.hc_mult or 0  # mHC: fn [(2 + N) N, N h], base [(2 + N) N], scale [3] per block
+    hyper = 2 * ((2 + streams) * streams * (streams * h + 1) + 3) if streams else 0
+
     def layer(number: int, moe: bool) -> tuple[int, int]:
-        base = 2 * h + (kda if pattern.is_linear_attention(number) else attn)
+        base = 2 * h + (kda if pattern.is_linear_attention(number) else attn) + hyper
         if pattern.computes_topk(number):
             base += indexer
         if not moe:

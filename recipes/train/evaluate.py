@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from kpool_layers.hyper_connections import pipeline
 from recipes.config.schema import Config
 from recipes.observe.metrics import VAL_LOSS as KEY
 
@@ -61,7 +62,8 @@ class Validator:
                 reports = get_forward_backward_func()(
                     forward_step_func=forward_step, data_iterator=self._batches(), model=[model],
                     num_microbatches=self.num_microbatches, seq_length=self.seq_length,
-                    micro_batch_size=self.micro_batch_size, forward_only=True)
+                    micro_batch_size=self.micro_batch_size, forward_only=True,
+                    **pipeline.schedule_kwargs(model))
         finally:
             model.train()
         return self._reduce(reports, device)
