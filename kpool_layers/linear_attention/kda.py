@@ -16,7 +16,11 @@ Per layer (``H`` heads of size ``D``, ``H_l = H / TP`` on this rank, ``K_c`` con
 The delta rule (L2-normalised q/k, per-channel decay) is
 :mod:`kpool_layers.linear_attention.delta_rule`'s; its kernel is picked by
 ``config.linear_attention_kernels`` (resolved ``torch`` or ``fla``, see ``backends.py``). The conv
-weight, ``dt_bias`` and ``A_log`` are float32 parameters (transformers keeps them in float32 too).
+weights, ``dt_bias`` and ``A_log`` are created in float32 and take the model's dtype like every
+other parameter (BF16 under the bf16 profiles, with FP32 master copies in the optimizer: an FP32
+parameter inside a BF16 model fails megatron 0.19.2's distributed-optimizer checkpoint save); the
+layer computes with them in float32. transformers keeps them in float32, so a BF16 model holds
+them rounded to BF16 (relative 2^-9), as the mHC weights (docs/hyper_connections.md).
 
 Tensor parallelism splits the heads: ``W_q``, ``W_k``, ``W_v``, ``W_beta``, ``W_fb`` and ``W_gb`` are
 column-parallel (each rank holds its heads' rows, contiguous ``[h * D, (h + 1) * D)`` blocks of
@@ -116,7 +120,8 @@ def _check_config(config: GLMTransformerConfig, tp: int, cp: int) -> None:
 
 
 def _tp_parameter(shape: tuple[int, ...], device: Any) -> torch.nn.Parameter:
-    """A float32 parameter split over TP along dim 0 (megatron's attributes for its optimizer)."""
+    """A parameter created in float32 and split over TP along dim 0 (megatron's attributes for
+    its optimizer); the model's cast gives it the model dtype."""
     param = torch.nn.Parameter(torch.empty(shape, dtype=torch.float32, device=device))
     param.tensor_model_parallel = True  # type: ignore[attr-defined]
     param.partition_dim = 0  # type: ignore[attr-defined]
@@ -146,13 +151,14 @@ def causal_depthwise_conv(x: Tensor, weight: Tensor, positions: Tensor) -> Tenso
 
     ``x [b, s, C]``, ``weight [C, K]`` (PyTorch's ``conv1d`` layout: the last tap multiplies the
     current token), ``positions [s]`` (position in the document; taps reaching before it read 0).
-    Computed in ``weight``'s dtype (float32), returned in ``x``'s."""
+    Computed in float32, returned in ``x``'s dtype."""
     taps = weight.shape[1]
-    xf = x.to(weight.dtype)
+    weight = weight.float()
+    xf = x.float()
     out = xf * weight[:, taps - 1]
     for j in range(1, taps):
         shifted = F.pad(xf, (0, 0, j, 0))[:, : x.shape[1]]
-        inside = (positions >= j).to(weight.dtype)[None, :, None]
+        inside = (positions >= j).float()[None, :, None]
         out = out + shifted * inside * weight[:, taps - 1 - j]
     return F.silu(out).to(x.dtype)
 
@@ -264,21 +270,6 @@ class KimiDeltaAttention(AttentionSlotLayer):
                 draw(self.A_log, lambda t: t.uniform_(1.0, 16.0).log())
             draw(self.dt_bias, inverse_softplus_dt)
 
-    FP32_PARAMETERS = ("conv_q", "conv_k", "conv_v", "dt_bias", "A_log")
-    """Held in FP32 whatever the model dtype (transformers keeps them in FP32 too)."""
-
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - torch.nn.Module API
-        """Module casts/moves, except that :attr:`FP32_PARAMETERS` never drop below FP32
-        (megatron's ``Float16Module`` calls ``module.bfloat16()``)."""
-        module = super()._apply(fn, recurse)
-        for name in self.FP32_PARAMETERS:
-            param = getattr(self, name, None)
-            if param is not None and param.dtype in (torch.float16, torch.bfloat16):
-                param.data = param.data.float()
-                if param.grad is not None:
-                    param.grad = param.grad.float()
-        return module
-
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
         """megatron's default, with the conv weights, ``dt_bias`` and ``A_log`` sharded over TP."""
@@ -299,9 +290,9 @@ class KimiDeltaAttention(AttentionSlotLayer):
 
     def _decay(self, x: Tensor) -> Tensor:
         """The forget gate's log decay, float32 ``[s, b, H_l, D]``."""
-        f = self._low_rank(self.linear_f_a, self.linear_f_b, x).float() + self.dt_bias
+        f = self._low_rank(self.linear_f_a, self.linear_f_b, x).float() + self.dt_bias.float()
         f = f.unflatten(-1, (self.local_heads, self.head_dim))
-        rate = self.A_log.exp()[:, None]
+        rate = self.A_log.float().exp()[:, None]
         if self.lower_bound is not None:
             return self.lower_bound * torch.sigmoid(rate * f)
         return -rate * F.softplus(f)
