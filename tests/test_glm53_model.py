@@ -149,6 +149,31 @@ def test_export_round_trip_is_bit_exact(tmp_path: Path, single_rank_parallel_sta
         assert written[key] == given[key], key
 
 
+def test_multimodal_layout_imports_its_text_decoder(tmp_path: Path, single_rank_parallel_state) -> None:
+    """A ``Glm5NextForConditionalGeneration``-layout checkpoint (``model.language_model.*`` and a
+    ``glm5_next`` config with ``text_config``) imports as its text decoder: the export (text
+    layout) is bit-exact to the text-layout checkpoint. Vision tensors are refused by name."""
+    layer_types, indexer_types, mlp_types, kpool, hc_mult = PATTERNS["kkkd"]
+    hf, head = hf_text_model(3, num_hidden_layers=4, layer_types=layer_types, indexer_types=indexer_types,
+                             mlp_layer_types=mlp_types, index_kpool=kpool, hc_mult=hc_mult)
+    text = save_checkpoint(tmp_path / "text", hf, head)
+    tensors = safetensors_of(text)
+    multimodal = {"model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k: v
+                  for k, v in tensors.items()}
+    config = {"model_type": "glm5_next", "text_config": json.loads((text / "config.json").read_text())}
+    for name, extra in (("mm", {}), ("vision", {"model.visual.patch_embed.proj.weight": torch.zeros(4, 4)})):
+        (tmp_path / name).mkdir()
+        save_file({**multimodal, **extra}, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert import_hf(tmp_path / "mm", tmp_path / "ckpt").hc_mult == hc_mult
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    exported = safetensors_of(tmp_path / "out")
+    assert sorted(exported) == sorted(tensors)
+    assert all(torch.equal(exported[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match=r"1 vision tensors \(\['model\.visual\.patch_embed\.proj\.weight'\]\)"):
+        import_hf(tmp_path / "vision", tmp_path / "ckpt_vision")
+
+
 def _text_config(**overrides: object) -> dict:
     cfg = transformers.Glm5NextTextConfig(**{**TINY, "num_hidden_layers": 4, **overrides})
     return cfg.to_dict()
