@@ -287,6 +287,18 @@ def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
     assert flops.per_token(4096) - replace(flops, kda_layers=0).per_token(4096) == kda
     mixing = 3 * 90 * 2 * (4 * 4 + 4) * 4096
     assert flops.per_token(4096) - replace(flops, hc_streams=0).per_token(4096) == mixing
+    # memory plan: each layer's two blocks keep their 4 x h bf16 input streams for backward, and
+    # under full recompute a layer keeps its streams as the checkpointed input
+    from recipes.plan import memory_plan
+
+    m = _compose(["model=glm5_3_flash"]).model
+    no_hc = replace(m, hc_mult=None)
+    for layer in (1, 4):  # KDA, DSA
+        assert memory_plan._layer_bytes(m, layer, 2) - memory_plan._layer_bytes(no_hc, layer, 2) == 4 * 4 * 4096 / 2
+    full = _compose(["model=glm5_3_flash", "train.recompute_granularity=full", "train.recompute_method=uniform",
+                     "train.recompute_num_layers=1"]).train
+    kept, _ = memory_plan._recomputed(full, [1.0, 1.0], [False, True], 4096 / 2, 4)
+    assert kept == [2 * 4 * 4096 / 2] * 2
 
 
 def test_config_rules_name_the_key() -> None:
