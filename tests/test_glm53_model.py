@@ -2,11 +2,8 @@
 transformers' ``Glm5NextTextModel`` (the external oracle): logits of the imported model, the
 parameter count, the HF field table, the config rules, and the layer-pattern facts.
 
-The mHC hyper-connections are not part of this model yet: the oracle's ``attn_hc`` / ``ffn_hc``
-are replaced by the plain residual (``post = 1``, ``comb = 1``, block input = the one stream,
-which is what ``Glm5NextTextDecoderLayer`` computes then), its ``hc_*`` tensors are left out of
-the checkpoint and the field table's mHC entries are monkeypatched to metadata (the product
-refuses them, :func:`test_hc_fields_and_unknown_fields_are_refused`).
+Both sides run the mHC hyper-connections (``hc_mult`` streams around every KDA, DSA and MLP
+block, kpool_layers/hyper_connections): the checkpoint carries every ``hc_*`` tensor.
 """
 
 from __future__ import annotations
@@ -34,28 +31,14 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_interme
             num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=0, v_head_dim=16, qk_nope_head_dim=16,
             index_topk=16, index_head_dim=16, index_n_heads=8, linear_head_dim=16, linear_num_heads=4,
-            linear_conv_kernel_dim=4, hc_mult=1, pad_token_id=None, swiglu_limit=1.5,
-            initializer_range=0.2, max_position_embeddings=4096)
-
-
-class PlainResidual(torch.nn.Module):
-    """``Glm5NextTextHyperConnection``'s interface with one stream and no mixing."""
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        b, s = streams.shape[:2]
-        ones = streams.new_ones(b, s, 1)
-        return ones, ones[..., None], streams[:, :, 0]
-
-
-@pytest.fixture
-def accept_hc_fields(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in hf_config.HC_FIELDS:
-        monkeypatch.setitem(hf_config.GLM5_NEXT_TEXT_FIELDS, key, hf_config.METADATA)
+            linear_conv_kernel_dim=4, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, pad_token_id=None,
+            swiglu_limit=1.5, initializer_range=0.2, max_position_embeddings=4096)
 
 
 def hf_text_model(seed: int, **overrides: object) -> tuple[Glm5NextTextModel, torch.Tensor]:
-    """A random fp32 ``Glm5NextTextModel`` (plain residuals, nonzero router bias, random norm
-    weights) and an lm_head weight."""
+    """A random fp32 ``Glm5NextTextModel`` (nonzero router bias, random norm weights, mHC weights
+    far from their init so the streams mix: fn N(0, 0.1), base N(0, 0.5), scale N(1, 0.2)) and an
+    lm_head weight."""
     cfg = transformers.Glm5NextTextConfig(**{**TINY, **overrides})
     torch.manual_seed(seed)
     model = Glm5NextTextModel(cfg).float().eval()
@@ -67,20 +50,24 @@ def hf_text_model(seed: int, **overrides: object) -> tuple[Glm5NextTextModel, to
                 p.normal_(0.0, 0.1)
             elif name.endswith("index_kpool_compress_gate"):
                 p.normal_(0.0, 0.2)
+            elif name.endswith("_hc.fn"):
+                p.normal_(0.0, 0.1)
+            elif name.endswith("_hc.base"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("_hc.scale"):
+                p.normal_(1.0, 0.2)
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.05)
-    for layer in model.layers:
-        layer.attn_hc, layer.ffn_hc = PlainResidual(), PlainResidual()
     return model, torch.randn(VOCAB, cfg.hidden_size) * 0.05
 
 
 def save_checkpoint(path: Path, model: Glm5NextTextModel, lm_head: torch.Tensor) -> Path:
     """The checkpoint layout (``model.``-prefixed decoder, ``lm_head.weight``) in transformers'
-    on-disk names (``save_pretrained``'s reverse conversion), without the mHC tensors."""
+    on-disk names (``save_pretrained``'s reverse conversion, ``hc_attn_fn`` ...)."""
     raw = path / "raw"
     model.save_pretrained(raw)
-    tensors = {f"model.{k}": v for k, v in safetensors_of(raw).items() if ".hc_" not in k}
+    tensors = {f"model.{k}": v for k, v in safetensors_of(raw).items()}
     tensors["lm_head.weight"] = lm_head
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
@@ -92,44 +79,45 @@ def save_checkpoint(path: Path, model: Glm5NextTextModel, lm_head: torch.Tensor)
 def logit_bound(logits: torch.Tensor, layers: int, width: int) -> float:
     """fp32 bound on |our logit - HF's|: each of the ``2 * layers`` blocks and the head computes
     dot products of at most ``width`` terms in another order (blocked GEMMs, chunked delta rule,
-    absorbed vs. expanded MLA), each off by at most ``width * u`` relative (u = 2^-24); the
-    residual stream carries every block's error to the logits, so the sum over ``2 * layers + 1``
-    of them, times the largest logit, bounds the difference (same top-k and expert picks: 8
-    indexer heads and random weights make exact score ties improbable)."""
+    absorbed vs. expanded MLA, the mHC projection of the N h flattened streams), each off by at
+    most ``width * u`` relative (u = 2^-24); the streams carry every block's error to the logits
+    at most doubled (``comb`` is doubly stochastic, ``post`` = 2 sigmoid <= 2), so twice the sum
+    over ``2 * layers + 1`` of them, times the largest logit, bounds the difference (same top-k
+    and expert picks: 8 indexer heads and random weights make exact score ties improbable)."""
     u = torch.finfo(torch.float32).eps / 2
-    return (2 * layers + 1) * width * u * float(logits.abs().max())
+    return 2 * (2 * layers + 1) * width * u * float(logits.abs().max())
 
 
 PATTERNS = {
-    # (layer_types, indexer_types, mlp_layer_types, kpool)
-    "kkkd": (["linear_attention"] * 3 + ["indexed_attention"], None, ["dense"] + ["sparse"] * 3, 16),
+    # (layer_types, indexer_types, mlp_layer_types, kpool, hc_mult)
+    "kkkd": (["linear_attention"] * 3 + ["indexed_attention"], None, ["dense"] + ["sparse"] * 3, 16, 4),
     "kddkd_shared": (["linear_attention", "indexed_attention", "indexed_attention", "linear_attention",
                       "indexed_attention"], ["full", "full", "shared", "full", "full"],
-                     ["dense", "dense", "sparse", "sparse", "sparse"], 4),
+                     ["dense", "dense", "sparse", "sparse", "sparse"], 4, 2),
     "dkdd_kpool1": (["indexed_attention", "linear_attention", "indexed_attention", "indexed_attention"],
-                    ["full", "full", "full", "shared"], ["dense", "sparse", "sparse", "sparse"], 1),
+                    ["full", "full", "full", "shared"], ["dense", "sparse", "sparse", "sparse"], 1, 1),
 }
 
 
 @pytest.mark.parametrize("name", list(PATTERNS))
-def test_logits_match_transformers(tmp_path: Path, single_rank_parallel_state, accept_hc_fields,
-                                   name: str) -> None:
+def test_logits_match_transformers(tmp_path: Path, single_rank_parallel_state, name: str) -> None:
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    layer_types, indexer_types, mlp_types, kpool = PATTERNS[name]
+    layer_types, indexer_types, mlp_types, kpool, hc_mult = PATTERNS[name]
     hf, head = hf_text_model(0, num_hidden_layers=len(layer_types), layer_types=layer_types,
                              indexer_types=indexer_types, mlp_layer_types=mlp_types, index_kpool=kpool,
-                             index_kpool_always_select_tail=kpool > 1)
+                             index_kpool_always_select_tail=kpool > 1, hc_mult=hc_mult)
     model_cfg = import_hf(save_checkpoint(tmp_path / "hf", hf, head), tmp_path / "ckpt")
     pattern = model_facts.LayerPattern.of(model_cfg)
-    assert pattern.layer_types() == layer_types
+    assert pattern.layer_types() == layer_types and model_cfg.hc_mult == hc_mult
     ours = our_model(model_cfg, tmp_path / "ckpt")
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, SEQ))
     with torch.no_grad():
         ref = hf(ids).last_hidden_state @ head.T
         got = ours(ids, torch.arange(SEQ)[None].expand(2, -1), None)
-        bound = logit_bound(ref, len(layer_types), 128)
+        bound = logit_bound(ref, len(layer_types), max(128, hc_mult * TINY["hidden_size"]))
+        print(f"{name}: max |dlogit| {float((got - ref).abs().max()):.2e}, bound {bound:.2e}")
         torch.testing.assert_close(got, ref, rtol=0.0, atol=bound)
         # Packed: the two rows as two documents of one THD row == each row alone (KDA's conv and
         # recurrence restart at the boundary, DSA attends within the document).
@@ -141,8 +129,8 @@ def test_logits_match_transformers(tmp_path: Path, single_rank_parallel_state, a
         torch.testing.assert_close(got_packed.reshape(2, SEQ, -1), ref, rtol=0.0, atol=bound)
 
 
-def test_export_round_trip_is_bit_exact(tmp_path: Path, single_rank_parallel_state, accept_hc_fields) -> None:
-    layer_types, indexer_types, mlp_types, kpool = PATTERNS["kddkd_shared"]
+def test_export_round_trip_is_bit_exact(tmp_path: Path, single_rank_parallel_state) -> None:
+    layer_types, indexer_types, mlp_types, kpool, _ = PATTERNS["kddkd_shared"]
     hf, head = hf_text_model(2, num_hidden_layers=5, layer_types=layer_types, indexer_types=indexer_types,
                              mlp_layer_types=mlp_types, index_kpool=kpool)
     src = save_checkpoint(tmp_path / "hf", hf, head)
@@ -156,8 +144,34 @@ def test_export_round_trip_is_bit_exact(tmp_path: Path, single_rank_parallel_sta
     given = json.loads((src / "config.json").read_text())
     for key in ("model_type", "layer_types", "indexer_types", "mlp_layer_types", "swiglu_limit",
                 "linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim", "linear_lower_bound",
-                "index_kpool", "index_kpool_always_select_tail", "index_topk"):
+                "index_kpool", "index_kpool_always_select_tail", "index_topk", "hc_mult", "hc_sinkhorn_iters",
+                "hc_eps"):
         assert written[key] == given[key], key
+
+
+def test_multimodal_layout_imports_its_text_decoder(tmp_path: Path, single_rank_parallel_state) -> None:
+    """A ``Glm5NextForConditionalGeneration``-layout checkpoint (``model.language_model.*`` and a
+    ``glm5_next`` config with ``text_config``) imports as its text decoder: the export (text
+    layout) is bit-exact to the text-layout checkpoint. Vision tensors are refused by name."""
+    layer_types, indexer_types, mlp_types, kpool, hc_mult = PATTERNS["kkkd"]
+    hf, head = hf_text_model(3, num_hidden_layers=4, layer_types=layer_types, indexer_types=indexer_types,
+                             mlp_layer_types=mlp_types, index_kpool=kpool, hc_mult=hc_mult)
+    text = save_checkpoint(tmp_path / "text", hf, head)
+    tensors = safetensors_of(text)
+    multimodal = {"model.language_model." + k.removeprefix("model.") if k.startswith("model.") else k: v
+                  for k, v in tensors.items()}
+    config = {"model_type": "glm5_next", "text_config": json.loads((text / "config.json").read_text())}
+    for name, extra in (("mm", {}), ("vision", {"model.visual.patch_embed.proj.weight": torch.zeros(4, 4)})):
+        (tmp_path / name).mkdir()
+        save_file({**multimodal, **extra}, tmp_path / name / "model.safetensors")
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert import_hf(tmp_path / "mm", tmp_path / "ckpt").hc_mult == hc_mult
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    exported = safetensors_of(tmp_path / "out")
+    assert sorted(exported) == sorted(tensors)
+    assert all(torch.equal(exported[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match=r"1 vision tensors \(\['model\.visual\.patch_embed\.proj\.weight'\]\)"):
+        import_hf(tmp_path / "vision", tmp_path / "ckpt_vision")
 
 
 def _text_config(**overrides: object) -> dict:
@@ -165,18 +179,21 @@ def _text_config(**overrides: object) -> dict:
     return cfg.to_dict()
 
 
-def test_hc_fields_and_unknown_fields_are_refused() -> None:
+def test_unknown_and_unsupported_fields_are_refused() -> None:
     hf = _text_config()
-    with pytest.raises(ValueError, match=r"hc_eps.*mHC"):
-        hf_config.model_config_from_hf(hf, "x")
+    assert hf_config.model_config_from_hf(hf, "x")["hc_mult"] == 4
+    # absent hc fields take transformers' defaults (hc_mult 4, 20 Sinkhorn iterations, eps 1e-6)
     without_hc = {k: v for k, v in hf.items() if k not in hf_config.HC_FIELDS}
-    with pytest.raises(ValueError, match="hc_"):  # absent: transformers' default hc_mult=4
-        hf_config.model_config_from_hf(without_hc, "x")
+    got = hf_config.model_config_from_hf(without_hc, "x")
+    assert (got["hc_mult"], got["hc_sinkhorn_iters"], got["hc_eps"]) == (4, 20, 1e-6)
     with pytest.raises(ValueError, match=r"\['my_new_field'\] are unknown"):
         hf_config.model_config_from_hf({**hf, "my_new_field": 1}, "x")
+    for key, value in (("hidden_act", "gelu"), ("attention_bias", True), ("hc_mult", 0)):
+        with pytest.raises(ValueError, match=key):
+            hf_config.model_config_from_hf({**hf, key: value}, "x")
 
 
-def test_unsupported_patterns_are_refused(accept_hc_fields) -> None:
+def test_unsupported_patterns_are_refused() -> None:
     types = ["linear_attention", "indexed_attention", "linear_attention", "indexed_attention"]
     # a shared layer after a KDA layer: transformers' glm5_next raises at its forward.
     with pytest.raises(ValueError, match="indexer_types"):
@@ -244,19 +261,22 @@ def test_analytic_param_count_matches_the_meta_build_of_the_hybrid(single_rank_p
 
 
 def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
-    """``model=glm5_3_flash`` against ``Glm5NextTextModel()`` (defaults) on the meta device plus
-    its lm_head, without the mHC tensors (``attn_hc`` / ``ffn_hc``, not built here)."""
+    """``model=glm5_3_flash`` against ``Glm5NextTextModel()`` (defaults: 4 mHC streams) on the
+    meta device plus its lm_head, the mHC tensors (``attn_hc`` / ``ffn_hc``) included."""
     from recipes.plan.dry_run import analytic_param_count
 
     with torch.device("meta"):
-        hf = Glm5NextTextModel(transformers.Glm5NextTextConfig(hc_mult=1))
+        hf = Glm5NextTextModel(transformers.Glm5NextTextConfig(pad_token_id=None))
+    assert hf.config.hc_mult == 4
     hc = sum(p.numel() for name, p in hf.named_parameters() if "_hc." in name)
-    hf_total = sum(p.numel() for p in hf.parameters()) - hc + hf.config.vocab_size * hf.config.hidden_size
+    hf_total = sum(p.numel() for p in hf.parameters()) + hf.config.vocab_size * hf.config.hidden_size
     m = _compose(["model=glm5_3_flash"]).model
+    assert m.hc_mult == 4 and hc == 45 * 2 * ((2 + 4) * 4 * (4 * m.hidden_size + 1) + 3)
     assert analytic_param_count(m)[0] == hf_total
     assert model_facts.LayerPattern.of(m).layer_types() == hf.config.layer_types
     # FLOP model: sparse attention and indexer on the 11 DSA layers, the delta rule on the 34 KDA
-    # layers at 64 heads x (6 D^2 + 10 C D), D = 128, C = 64 (3x for forward + backward).
+    # layers at 64 heads x (6 D^2 + 10 C D), D = 128, C = 64, the stream mixing of the 90 mHC
+    # blocks at 2 (N^2 h + N h), N = 4 (3x for forward + backward).
     from dataclasses import replace
 
     from recipes.plan.dry_run import flop_model
@@ -265,6 +285,20 @@ def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
     assert (flops.num_layers, flops.index_layers, flops.kda_layers) == (11, 11, 34)
     kda = 3 * 34 * 64 * (6 * 128 * 128 + 10 * 64 * 128)
     assert flops.per_token(4096) - replace(flops, kda_layers=0).per_token(4096) == kda
+    mixing = 3 * 90 * 2 * (4 * 4 + 4) * 4096
+    assert flops.per_token(4096) - replace(flops, hc_streams=0).per_token(4096) == mixing
+    # memory plan: each layer's two blocks keep their 4 x h bf16 input streams for backward, and
+    # under full recompute a layer keeps its streams as the checkpointed input
+    from recipes.plan import memory_plan
+
+    m = _compose(["model=glm5_3_flash"]).model
+    no_hc = replace(m, hc_mult=None)
+    for layer in (1, 4):  # KDA, DSA
+        assert memory_plan._layer_bytes(m, layer, 2) - memory_plan._layer_bytes(no_hc, layer, 2) == 4 * 4 * 4096 / 2
+    full = _compose(["model=glm5_3_flash", "train.recompute_granularity=full", "train.recompute_method=uniform",
+                     "train.recompute_num_layers=1"]).train
+    kept, _ = memory_plan._recomputed(full, [1.0, 1.0], [False, True], 4096 / 2, 4)
+    assert kept == [2 * 4 * 4096 / 2] * 2
 
 
 def test_config_rules_name_the_key() -> None:

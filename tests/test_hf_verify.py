@@ -132,14 +132,23 @@ def test_train_checkpoint_and_its_export_agree(tmp_path: Path, single_rank_paral
     assert code == 1 and "top-k tie broken differently" in out, out
 
 
-def save_glm5_next(path: Path, seed: int = 0) -> Path:
-    """A random tiny ``Glm5NextTextModel`` (all layers ``indexed_attention``, KPool 4 with the tail,
-    hc_mult 1) in the causal-LM layout the import reads: ``model.``-prefixed tensors and an
+GLM5_NEXT_LAYERS = {  # (layer_types, hc_mult)
+    "dsa_hc1": (["indexed_attention"] * 4, 1),
+    "kda_dsa_hc4": (["linear_attention", "indexed_attention"] * 2, 4),
+}
+
+
+def save_glm5_next(path: Path, seed: int = 0, layers: str = "dsa_hc1") -> Path:
+    """A random tiny ``Glm5NextTextModel`` (``GLM5_NEXT_LAYERS[layers]``: all layers
+    ``indexed_attention`` with one mHC stream, or KDA / DSA alternating with 4 streams; KPool 4
+    with the tail) in the causal-LM layout the import reads: ``model.``-prefixed tensors and an
     ``lm_head.weight``."""
+    layer_types, hc_mult = GLM5_NEXT_LAYERS[layers]
     cfg = transformers.Glm5NextTextConfig(
         **{k: v for k, v in TINY.items() if k not in ("qk_rope_head_dim", "rope_parameters", "first_k_dense_replace")},
-        index_kpool=4, index_kpool_always_select_tail=True, layer_types=["indexed_attention"] * 4,
-        mlp_layer_types=["dense"] + ["sparse"] * 3, hc_mult=1, pad_token_id=None)
+        index_kpool=4, index_kpool_always_select_tail=True, layer_types=layer_types,
+        mlp_layer_types=["dense"] + ["sparse"] * 3, hc_mult=hc_mult, linear_num_heads=4, linear_head_dim=16,
+        pad_token_id=None)
     torch.manual_seed(seed)
     model = transformers.Glm5NextTextModel(cfg).float()
     model.save_pretrained(path / "base")
@@ -151,14 +160,11 @@ def save_glm5_next(path: Path, seed: int = 0) -> Path:
     return path
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError,
-                   reason="the import maps no mHC tensors yet (hc_attn_*, hc_ffn_*; issue 30 items 2 and 4): "
-                          "remove this marker when it does")
-def test_glm5_next_round_trip_passes(tmp_path: Path, single_rank_parallel_state,
-                                     capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize("layers", list(GLM5_NEXT_LAYERS))
+def test_glm5_next_round_trip_passes(tmp_path: Path, single_rank_parallel_state, layers: str) -> None:
     from scripts.convert_checkpoint import verify_hf
 
-    hf_dir = save_glm5_next(tmp_path / "hf")
+    hf_dir = save_glm5_next(tmp_path / "hf", layers=layers)
     report = verify_hf(hf_dir, tokens=2 * SEQ, seq_len=SEQ)
     assert report.passed, report.lines()
     import_hf(hf_dir, tmp_path / "ckpt")

@@ -5,6 +5,8 @@
   ``model.safetensors``); tensors are read one at a time with plain reads
   (:class:`SafetensorsFile`: a memory map would keep every page read so far resident). FP8 e4m3
   weights with a ``weight_scale_inv`` companion (128 x 128 blocks) come back dequantized to bf16.
+  The multimodal layout (``model.language_model.*``, glm5_next's ``Glm5NextForConditionalGeneration``)
+  reads as the text layout (``model.*``); its vision tensors (``model.visual.*``) are refused by name.
 * :class:`HFWriter` - sharded ``model-0000i-of-0000n.safetensors`` of at most ``shard_bytes``
   each plus ``model.safetensors.index.json``; every tensor goes to disk as it is added.
 * :func:`mmap_large_allocations` - glibc setting so that freed tensors go back to the OS.
@@ -137,8 +139,36 @@ class SafetensorsFile:
         self._file.close()
 
 
+LANGUAGE_MODEL_PREFIX = "model.language_model."
+"""The decoder's tensors in a multimodal checkpoint (glm5_next); ``model.`` in the text layout."""
+VISION_PREFIX = "model.visual."
+"""A multimodal checkpoint's vision tower, which no model here builds."""
+
+
+def text_layout(stored: list[str], where: Path) -> dict[str, str]:
+    """The stored tensor name of each text-layout name: a multimodal checkpoint's
+    ``model.language_model.X`` reads as ``model.X`` (other names as stored). Raises naming the
+    vision tensors (``model.visual.*``: not converted, and nothing is dropped silently) and any
+    name both layouts would give."""
+    if not any(name.startswith(LANGUAGE_MODEL_PREFIX) for name in stored):
+        return {name: name for name in stored}
+    vision = sorted(name for name in stored if name.startswith(VISION_PREFIX))
+    if vision:
+        raise ValueError(f"{where}: {len(vision)} vision tensors ({vision[:3]}{' ...' if len(vision) > 3 else ''}) "
+                         f"are not converted: only the text decoder ({LANGUAGE_MODEL_PREFIX}*) is built; "
+                         f"remove the {VISION_PREFIX}* tensors to convert the text model")
+    names: dict[str, str] = {}
+    for name in stored:
+        text = "model." + name[len(LANGUAGE_MODEL_PREFIX):] if name.startswith(LANGUAGE_MODEL_PREFIX) else name
+        if text in names:
+            raise ValueError(f"{where}: {names[text]!r} and {name!r} are both the tensor {text!r}")
+        names[text] = name
+    return names
+
+
 class HFReader:
-    """Tensors of an HF checkpoint directory, read (and FP8-dequantized) one at a time."""
+    """Tensors of an HF checkpoint directory, read (and FP8-dequantized) one at a time, by their
+    text-layout names (:func:`text_layout`)."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.dir = Path(directory)
@@ -154,6 +184,7 @@ class HFReader:
             self._file_of = {name: "model.safetensors" for name in self._open("model.safetensors").entries}
         else:
             raise FileNotFoundError(f"{self.dir}: neither model.safetensors.index.json nor model.safetensors")
+        self._stored = text_layout(list(self._file_of), self.dir)  # text-layout name -> stored name
 
     def config(self) -> dict[str, Any] | None:
         """The checkpoint's ``config.json`` (``None`` when there is none)."""
@@ -162,30 +193,35 @@ class HFReader:
 
     def names(self) -> set[str]:
         """Tensor names, FP8 scales excluded (they belong to their weight)."""
-        return {n for n in self._file_of if not n.endswith(SCALE_SUFFIX)}
+        return {n for n in self._stored if not n.endswith(SCALE_SUFFIX)}
 
     def _open(self, file: str) -> SafetensorsFile:
         if file not in self._handles:
             self._handles[file] = SafetensorsFile(self.dir / file)
         return self._handles[file]
 
-    def _handle(self, name: str) -> SafetensorsFile:
-        if name not in self._file_of:
+    def _read(self, name: str) -> tuple[SafetensorsFile, str]:
+        """The open file holding text-layout tensor ``name`` and its stored name."""
+        if name not in self._stored:
             raise KeyError(f"tensor {name!r} is not in {self.dir}")
-        return self._open(self._file_of[name])
+        stored = self._stored[name]
+        return self._open(self._file_of[stored]), stored
 
     def dtype(self, name: str) -> torch.dtype:
         """The dtype :meth:`get` returns for ``name`` (bf16 for FP8 weights)."""
-        if name + SCALE_SUFFIX in self._file_of:
+        if name + SCALE_SUFFIX in self._stored:
             return torch.bfloat16
-        return self._handle(name).dtype(name)
+        handle, stored = self._read(name)
+        return handle.dtype(stored)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` (FP8 weights dequantized to bf16)."""
-        tensor = self._handle(name).get(name)
+        handle, stored = self._read(name)
+        tensor = handle.get(stored)
         scale = name + SCALE_SUFFIX
-        if scale in self._file_of:
-            return dequantize_fp8(tensor, self._handle(scale).get(scale))
+        if scale in self._stored:
+            scale_handle, scale_stored = self._read(scale)
+            return dequantize_fp8(tensor, scale_handle.get(scale_stored))
         return tensor
 
     def close(self) -> None:

@@ -30,13 +30,18 @@ class FlopModel:
       + per layer: 2 * heads * (qk_dim + v_latent) * keys attended   (absorbed sparse MLA)
       + per computing layer: 2 * index_heads * index_dim * keys scored   (lightning indexer)
       + per KDA layer: kda_heads * (6 D^2 + 10 C D)                      (chunked delta rule)
+      + per mHC block: 2 * (N^2 h + N h)                 (stream mixing, 2 blocks per layer)
     with keys attended = min(topk, s/2) and keys scored = s/2 (causal average); ``num_layers``
     counts the DSA layers. The KDA term is the chunked (WY) delta rule with chunks of C = 64
     tokens and head size D per token and head: the intra-chunk ``k k^T`` and ``q k^T`` blocks
     (2 C D each), ``w = A (beta k)`` and ``u = A (beta v)`` (2 C D each), the inter-chunk
     ``u - w S``, ``S += k^T v_new`` and ``q S`` with the D x D state (2 D^2 each) and the
     intra-chunk output ``(q k^T) v_new`` (2 C D); the triangular inverse (C^2 / 3 per token) and
-    the elementwise gates are not counted. Its projections are in ``active_params``.
+    the elementwise gates are not counted. Its projections are in ``active_params``. With mHC
+    (``hc_streams`` N > 0, ``hc_blocks`` = 2 per decoder layer) each block mixes the streams,
+    ``comb^T @ streams`` (N^2 h multiply-adds per token), and adds ``post (x) block output``
+    (N h); the ``pre``-weighted block input (N h) and the Sinkhorn iterations on N x N are
+    not counted; the mHC projection is in ``active_params``.
     """
 
     active_params: int
@@ -52,6 +57,9 @@ class FlopModel:
     kda_heads: int = 0
     kda_head_dim: int = 0
     kda_chunk: int = 64
+    hc_streams: int = 0
+    hc_blocks: int = 0
+    hidden_size: int = 0
 
     def per_token(self, seq_length: int) -> float:
         attended = min(self.topk, seq_length / 2)
@@ -60,6 +68,8 @@ class FlopModel:
         fwd += self.kda_layers * self.kda_heads * (6 * d * d + 10 * self.kda_chunk * d)
         fwd += 2 * self.num_layers * self.heads * (self.qk_dim + self.v_dim) * attended
         fwd += 2 * self.index_layers * self.index_heads * self.index_dim * (seq_length / 2)
+        n = self.hc_streams
+        fwd += 2 * self.hc_blocks * (n * n + n) * self.hidden_size
         return 3 * fwd
 
 

@@ -90,6 +90,7 @@ def flop_model(cfg: Config) -> FlopModel:
         index_heads=m.dsa_indexer_n_heads, index_dim=m.dsa_indexer_head_dim // m.dsa_indexer_kpool,
         index_layers=len(pattern.topk_layers()),
         kda_layers=kda_layers, kda_heads=m.linear_num_key_heads, kda_head_dim=m.linear_key_head_dim,
+        hc_streams=m.hc_mult or 0, hc_blocks=2 * m.num_layers if m.hc_mult else 0, hidden_size=m.hidden_size,
     )
 
 

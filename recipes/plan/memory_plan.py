@@ -8,7 +8,8 @@ parameter (fp32 master, m, v), divided by the data-parallel size with the distri
 
 Activations are an estimate, not a measurement: per token and layer ``34 * h / TP`` bytes
 (Korthikanti et al. 2022, "Reducing Activation Recomputation", with sequence parallelism and no
-recomputation; sparse attention stores no [s, s] scores; KDA layers: :func:`_layer_bytes`) plus ``6 * topk * moe_ffn`` bytes of routed
+recomputation; sparse attention stores no [s, s] scores; KDA layers and mHC streams:
+:func:`_layer_bytes`) plus ``6 * topk * moe_ffn`` bytes of routed
 expert intermediates on MoE layers, for the micro batches in flight under 1F1B (``PP - stage``),
 plus the last stage's logits (bf16 + fp32 for the loss; with ``train.loss_chunk_tokens`` one
 chunk's, plus the gathered bf16 hidden states the chunks are recomputed from and the output
@@ -110,12 +111,14 @@ class RankSizes:
         return 12 / (self.edp if self.distributed_optimizer else 1)
 
 
-def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input: float
+def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input: float, streams: int = 0
                 ) -> tuple[list[float], float]:
     """Bytes per token each of a stage's layers keeps for backward under ``t``'s recompute
     (``full``: each layer's without recompute; ``moe``: which are MoE layers; ``layer_input``:
-    ``h / TP``, so that a layer's bf16 input is ``2 * layer_input`` bytes per token), and the largest
-    recompute unit's activations per token, which exist again while it is recomputed.
+    ``h / TP``, so that a layer's bf16 input is ``2 * layer_input`` bytes per token; ``streams``:
+    mHC's N, 0 without, whose ``4 N h / TP`` stream bytes stay outside the MLP and whose N x h
+    streams are a layer's input), and the largest recompute unit's activations per token, which
+    exist again while it is recomputed.
 
     Korthikanti et al.'s 34 h per token and layer splits into 15 h attention + layer norms and
     19 h MLP, of which the MLP's input is 2 h: recomputing ``mlp`` (dense layers) or ``moe`` (MoE
@@ -130,7 +133,7 @@ def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input:
         kept, working = list(full), 0.0
         for i, is_moe in enumerate(moe):
             if ("moe" if is_moe else "mlp") in (t.recompute_modules or ()):
-                mlp_part = full[i] - 34 * layer_input + 19 * layer_input
+                mlp_part = full[i] - 34 * layer_input + 19 * layer_input - 4 * streams * layer_input
                 kept[i] = full[i] - mlp_part + 2 * layer_input
                 working = max(working, mlp_part)
         return kept, working
@@ -142,7 +145,7 @@ def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input:
     kept = list(full)
     for unit in units:
         for i in unit:
-            kept[i] = 2 * layer_input if i == unit[0] else 0.0
+            kept[i] = 2 * layer_input * max(streams, 1) if i == unit[0] else 0.0
     return kept, max((sum(full[i] for i in unit) for unit in units), default=0.0)
 
 
@@ -165,13 +168,17 @@ def _layer_bytes(m: Any, layer_number: int, tp: int) -> float:
     Korthikanti's ``34 h / TP``; a KDA layer replaces its 15 h of attention by
     ``2 h + 24 W + 4 H D^2 / C`` (``W = H D``): the normalised input, q/k/v before and after the
     conv (bf16), the fp32 log decay, the delta-rule output and the output gate (bf16), the fp32
-    gated-norm input, and the fp32 D x D state per chunk of C tokens and head."""
+    gated-norm input, and the fp32 D x D state per chunk of C tokens and head. With mHC
+    (``hc_mult`` N) each of the layer's two blocks also keeps its input streams, N x h bf16
+    (``comb^T @ streams`` and the projection of the flattened streams need them for backward):
+    ``4 N h`` more."""
     h = m.hidden_size
+    streams = 4 * m.hc_mult * h if m.hc_mult else 0
     if not model_facts.LayerPattern.of(m).is_linear_attention(layer_number):
-        return 34 * h / tp
+        return (34 * h + streams) / tp
     heads, d = m.linear_num_key_heads, m.linear_key_head_dim
     kda = 2 * h + 24 * heads * d + 4 * heads * d * d / KDA_CHUNK
-    return (19 * h + kda) / tp
+    return (19 * h + kda + streams) / tp
 
 
 def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
@@ -209,7 +216,7 @@ def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
                 + (6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp if g[1] else 0)
                 for i, g in enumerate(per_layer[start:start + count])]
         kept, working = _recomputed(t, full, [bool(g[1]) for g in per_layer[start:start + count]],
-                                    m.hidden_size / tp)
+                                    m.hidden_size / tp, m.hc_mult or 0)
         in_flight = min(pp - stage, micro_batches)
         activations = (sum(kept) * tokens + count * gathered) * in_flight + working * tokens
         logits = 0.0
