@@ -13,7 +13,7 @@ seed, or ``train.load``'s weights) and runs the rows ``data=rollout`` packs from
 so a run of ``train.py data=rollout data.rollout_dir=OUT`` with the same overrides starts from
 the recorded model.
 
-``--hf HF_DIR``: the records come from the transformers ``glm_moe_dsa`` / ``glm5_next`` model in
+``--hf HF_DIR``: the records come from the transformers ``glm_moe_dsa`` / ``glm5_next`` / ``glm5_next_text`` model in
 ``HF_DIR`` (float32, each sample alone), its indexers' top-k and routers' experts captured with
 forward hooks (:mod:`recipes.replay.hf_recorder`, which documents the index mapping); no overrides.
 Train on them with the import of the same checkpoint (``scripts/convert_checkpoint.py import``,
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-length", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hf", type=Path, default=None,
-                        help="record from this transformers glm_moe_dsa / glm5_next checkpoint directory")
+                        help="record from this transformers glm_moe_dsa / glm5_next / glm5_next_text checkpoint directory")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if not 2 <= args.min_length <= args.max_length:

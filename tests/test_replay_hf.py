@@ -115,8 +115,8 @@ def test_glm5_next_records_hold_its_kpool_selection(tmp_path: Path, layer_types:
                                                     topk_layers: list[int]) -> None:
     """glm5_next's indexer already returns token indices (its pools expanded, then the tail,
     ``-1``-padded): the record holds them unchanged, in our width; a KDA layer has no top-k but
-    its routing is recorded. All-indexed records validate against the model config the import
-    derives from the same config.json."""
+    its routing is recorded. The records validate against the model config the import derives
+    from the same config.json (KDA layers hold no top-k)."""
     from omegaconf import OmegaConf
 
     from recipes.config.schema import Config
@@ -146,12 +146,10 @@ def test_glm5_next_records_hold_its_kpool_selection(tmp_path: Path, layer_types:
         assert torch.equal(stored[f"indexer_topk.layer_{n}"], capture.topk[n][0]), n  # [s, 8 + 3]
     for n in (2, 3):
         assert torch.equal(stored[f"routed_experts.layer_{n}"].long(), capture.experts[n]), n
-    if "linear_attention" in layer_types:
-        return  # our import derives no model with KDA layers to validate against
     derived = model_config_from_hf(text_config(json.loads((tmp_path / "hf" / "config.json").read_text())), "g5n")
     ours = to_config(OmegaConf.merge(OmegaConf.structured(Config), {"model": derived})).model
     record = read_record(path, model_layers(ours), require_topk=True, require_experts=True)
-    assert sorted(record.topk) == [1, 2, 3] and record.topk[1].shape == (23, 11)
+    assert sorted(record.topk) == topk_layers and record.topk[1].shape == (23, 11)
 
 
 def test_hf_recorder_refuses_other_models_and_overrides(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -166,3 +164,57 @@ def test_hf_recorder_refuses_other_models_and_overrides(tmp_path: Path, capsys: 
         main(["--hf", str(tmp_path / "llama"), "--out", str(tmp_path / "out"), "model=glm5_tiny"])
     assert "--hf takes no overrides" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_glm53_records_replay_in_our_model(tmp_path: Path, single_rank_parallel_state) -> None:
+    """A tiny random GLM-5.3 text checkpoint (KDA / DSA alternating, 4 mHC streams, KPool 4 with
+    the tail; ``glm5_next_text``, the layout ``convert_checkpoint.py`` imports): recorded by
+    transformers, imported, and replayed in our model. Every DSA layer's attention reads exactly
+    HF's selection, the routers HF's experts, and the logprob gap is within :data:`HF_GAP_TOL`
+    (the same fp32-reordering argument: the KDA and mHC layers match transformers' to 8e-6 of
+    max |logit| in tests/test_glm53_model.py)."""
+    from omegaconf import OmegaConf
+
+    from recipes.replay.recorder import build_recording_model
+    from recipes.replay.step import RolloutStep
+    from scripts.convert_checkpoint import import_hf
+    from tests.test_hf_verify import save_glm5_next
+
+    hf_dir = save_glm5_next(tmp_path / "hf", layers="kda_dsa_hc4")
+    derived = import_hf(hf_dir, tmp_path / "ckpt")
+    out = tmp_path / "rollouts"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_rollout.py"), "--hf", str(hf_dir),
+                           "--out", str(out), "--num-samples", "2", "--min-length", "20", "--max-length", "30"],
+                          cwd=ROOT, env=subprocess_env(OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    base = _compose(["precision=fp32", "data.seq_length=64", f"train.load={tmp_path / 'ckpt'}", "data=rollout",
+                     f"data.rollout_dir={out}"])
+    replay = {"dsa_topk_replay": True, "moe_router_replay": True}
+    cfg = to_config(OmegaConf.merge(base, {"model": {**OmegaConf.to_container(derived), **replay}}))
+    dataset = RolloutDataset(cfg)
+    record = dataset.records[0]
+    assert sorted(record.topk) == [2, 4] and sorted(record.experts) == [2, 3, 4]  # KDA layers 1, 3: no top-k
+
+    model = build_recording_model(cfg)
+    model.config.dsa_topk_replay = True
+    attended: dict[int, torch.Tensor] = {}
+    handles = [m.core_attention.register_forward_hook(
+        lambda mod, args, output, n=m.layer_number: attended.__setitem__(n, args[2][0]))
+        for m in model.modules() if type(m).__name__ == "GLMSparseMLA"]
+    step = RolloutStep(cfg, model)
+    step.begin(measure=False)
+    row = {k: v.unsqueeze(0) for k, v in dataset[0].items()}
+    with torch.enable_grad():
+        loss = model(row["tokens"], row["position_ids"], None, labels=row["labels"],
+                     packed_seq_params=step.prepare(row)).detach()[0]
+    for h in handles:
+        h.remove()
+    s = record.length
+    assert sorted(attended) == [2, 4]
+    for layer, want in record.topk.items():
+        got = attended[layer][:s]
+        assert [set(r[r >= 0].tolist()) for r in got] == [set(r[r >= 0].tolist()) for r in want], layer
+    mask = row["has_rollout_logprobs"][0]
+    gap = (-loss[mask] - row["rollout_logprobs"][0][mask]).abs()
+    assert 0 < gap.max() <= HF_GAP_TOL, gap.max()

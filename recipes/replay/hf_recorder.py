@@ -1,6 +1,9 @@
 """Rollout records from a transformers GLM-5.x model (``scripts/record_rollout.py --hf DIR``):
-``glm_moe_dsa`` (GLM-5 / 5.1 / 5.2, ``GlmMoeDsaForCausalLM``) or ``glm5_next`` (GLM-5.3,
-``Glm5NextForConditionalGeneration``, text only), run on each sample alone (batch 1, no padding,
+``glm_moe_dsa`` (GLM-5 / 5.1 / 5.2, ``GlmMoeDsaForCausalLM``), ``glm5_next`` (GLM-5.3,
+``Glm5NextForConditionalGeneration``, text only) or ``glm5_next_text`` (GLM-5.3's text stack in the
+causal-LM layout ``convert_checkpoint.py`` imports and exports: ``Glm5NextTextModel`` and the
+checkpoint's ``lm_head.weight``, loaded as ``convert_checkpoint.py verify`` loads it), run on each
+sample alone (batch 1, no padding,
 no cache), with forward hooks on every computing indexer and every MoE router.
 
 Index conventions, HF -> record (docs/replay.md). HF's decoder layer ``model.layers.N`` is the
@@ -29,11 +32,14 @@ model's when training (``records of another model``).
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from recipes.hf.io import HFReader
+from recipes.hf.verify import FAMILIES, load_transformers, read_hf_config
 from recipes.replay.records import write_record
 
 HF_FACTS = {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size",
@@ -43,8 +49,22 @@ HF_FACTS = {"num_layers": "num_hidden_layers", "vocab_size": "vocab_size",
 """Record metadata key -> the HF text config's field (absent KPool fields: kpool 1, no tail)."""
 
 _DEFAULTS = {"index_kpool": 1, "index_kpool_always_select_tail": False}
-SUPPORTED = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration"}
+SUPPORTED = {"glm_moe_dsa": "GlmMoeDsaForCausalLM", "glm5_next": "Glm5NextForConditionalGeneration",
+             "glm5_next_text": "Glm5NextTextModel"}
 """HF ``model_type`` -> the transformers class the recorder loads."""
+
+
+class TextModelWithHead(nn.Module):
+    """A base model returning final hidden states and the checkpoint's output head, as one module
+    whose ``forward(input_ids=[1, S], use_cache=...)`` returns an object with ``.logits [1, S, V]``
+    (the causal-LM interface the recorder reads); ``config`` is the base model's."""
+
+    def __init__(self, model: nn.Module, logits: Any) -> None:
+        super().__init__()
+        self.model, self._logits, self.config = model, logits, model.config
+
+    def forward(self, input_ids: torch.Tensor, use_cache: bool = False) -> Any:
+        return SimpleNamespace(logits=self._logits(self.model, input_ids))
 
 
 def load_hf_model(hf_dir: str | Path) -> nn.Module:
@@ -56,6 +76,11 @@ def load_hf_model(hf_dir: str | Path) -> nn.Module:
     if config.model_type not in SUPPORTED:
         raise ValueError(f"--hf {hf_dir}: model_type {config.model_type!r} is not supported; "
                          f"allowed: {', '.join(SUPPORTED)}")
+    if config.model_type == "glm5_next_text":
+        hf_config, reader = read_hf_config(hf_dir), HFReader(hf_dir)
+        fam = FAMILIES[config.model_type]
+        model = load_transformers(hf_dir, hf_config, fam, reader, hf_config["num_hidden_layers"])
+        return TextModelWithHead(model, lambda m, ids: fam.logits(m, ids, reader, hf_config)).eval()
     cls = getattr(transformers, SUPPORTED[config.model_type])
     return cls.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
