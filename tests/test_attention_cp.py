@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.conftest import free_port
-from tests.test_attention_tp import _assert_tp_close, _gather_sequence, _shard
+from tests.test_attention_tp import _assert_tp_close
+from tests.tp_harness import gather_sequence, shard
 
 CP_CASES = [  # (packed THD boundaries, sparse indexer loss, kpool)
     (None, False, 1),
@@ -56,7 +57,7 @@ def _layer(tp: int, cp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: 
         rank = ps.get_tensor_model_parallel_rank()
         with torch.no_grad():
             for param, ref in zip(module.parameters(), reference.parameters()):
-                param.copy_(_shard(ref, param, rank, tp))
+                param.copy_(shard(ref, param, rank, tp))
     return module
 
 
@@ -97,7 +98,7 @@ def _run(tp: int, cp: int, cu: Optional[list[int]], sparse_loss: bool, kpool: in
             param.grad /= tp
     out, grad_x = out.detach(), x_in.grad
     if tp > 1:
-        out, grad_x = (_gather_sequence(t, tp, tp_group) for t in (out, grad_x))
+        out, grad_x = (gather_sequence(t, tp, tp_group) for t in (out, grad_x))
     losses = collect_indexer_losses(module)
     loss = torch.tensor(losses[""], dtype=torch.float64)
     if cp > 1:
@@ -150,7 +151,7 @@ def _worker(rank: int, world: int, port: int, tp: int) -> None:
             if ref_param.grad is None:
                 assert param.grad is None and not param.requires_grad, f"{case} {name}"
                 continue
-            _assert_tp_close(param.grad, _shard(ref_param.grad, param, tp_rank, tp), f"{case} grad {name}")
+            _assert_tp_close(param.grad, shard(ref_param.grad, param, tp_rank, tp), f"{case} grad {name}")
         _check_batch_split()
     dist.destroy_process_group()
 
