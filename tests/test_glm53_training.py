@@ -55,7 +55,8 @@ def test_drift_indexer_loss_resume_tp2_and_hybrid_pp2(tmp_path: Path) -> None:
 
 def test_every_precision_profile_builds_it(single_rank_parallel_state) -> None:
     """Each profile's policy on the built model: KDA's linears carry their roles (kda.qkv,
-    kda.gate, kda.out) in the precision map, kda.gate never FP8, its fp32 parameters stay fp32;
+    kda.gate, kda.out) in the precision map, kda.gate never FP8, its decay computed in FP32 from a
+    BF16 layer (its conv, dt_bias and A_log take the model dtype: tests/test_kda_bf16_save.py);
     the mHC projection (mhc.proj) is FP32 and unquantized."""
     from recipes.config.megatron import to_transformer_config
     from recipes.observe.precision_map import PROFILES_DIR, precision_map
@@ -72,7 +73,8 @@ def test_every_precision_profile_builds_it(single_rank_parallel_state) -> None:
         assert not any(r["quantized"] for r in rows if r["role"] == "kda.gate"), profile
         kda = model.decoder.layers[0].self_attention
         kda.bfloat16()
-        assert kda.A_log.dtype == kda.dt_bias.dtype == kda.conv_q.dtype == torch.float32
+        x = torch.zeros(4, 1, tcfg.hidden_size, dtype=torch.bfloat16)
+        assert kda.A_log.dtype == torch.bfloat16 and kda._decay(x).dtype == torch.float32
         hc = {(r["dtype"], r["quantized"]) for r in rows if r["role"] == "mhc.proj"}
         assert hc == {("float32", False)}, (profile, hc)
 
