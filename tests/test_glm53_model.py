@@ -21,6 +21,7 @@ from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel  
 from kpool_layers import model_facts  # noqa: E402
 from recipes.hf import config as hf_config  # noqa: E402
 from scripts.convert_checkpoint import export_hf, import_hf  # noqa: E402
+from tests.test_hc_model import perturb_hc  # noqa: E402
 from tests.test_hf_interop import our_model, safetensors_of  # noqa: E402
 
 SEQ = 40
@@ -37,7 +38,7 @@ TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_interme
 
 def hf_text_model(seed: int, **overrides: object) -> tuple[Glm5NextTextModel, torch.Tensor]:
     """A random fp32 ``Glm5NextTextModel`` (nonzero router bias, random norm weights, mHC weights
-    far from their init so the streams mix: fn N(0, 0.1), base N(0, 0.5), scale N(1, 0.2)) and an
+    far from their init so the streams mix: tests.test_hc_model.HC_INIT) and an
     lm_head weight."""
     cfg = transformers.Glm5NextTextConfig(**{**TINY, **overrides})
     torch.manual_seed(seed)
@@ -50,12 +51,8 @@ def hf_text_model(seed: int, **overrides: object) -> tuple[Glm5NextTextModel, to
                 p.normal_(0.0, 0.1)
             elif name.endswith("index_kpool_compress_gate"):
                 p.normal_(0.0, 0.2)
-            elif name.endswith("_hc.fn"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("_hc.base"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("_hc.scale"):
-                p.normal_(1.0, 0.2)
+            else:
+                perturb_hc(name, p)
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.05)

@@ -37,6 +37,20 @@ TINY = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_inte
             pad_token_id=None, max_position_embeddings=128)
 
 
+HC_INIT = {"_hc.fn": (0.0, 0.1), "_hc.base": (0.0, 0.5), "_hc.scale": (1.0, 0.2)}
+"""Normal (mean, std) given to transformers' mHC parameters by suffix: away from their
+initialisation, so that every stream's mixing and weights matter in the parity tests."""
+
+
+def perturb_hc(name: str, p: torch.Tensor) -> bool:
+    """Draw ``p`` from :data:`HC_INIT` if ``name`` is an mHC parameter; whether it was."""
+    for suffix, (mean, std) in HC_INIT.items():
+        if name.endswith(suffix):
+            p.normal_(mean, std)
+            return True
+    return False
+
+
 def save_tiny_glm5_next(path: Path, hc_mult: int, seed: int = 0) -> tuple[Path, torch.nn.Module, torch.Tensor]:
     """A random tiny ``Glm5NextTextModel`` written as a glm5_next_text checkpoint (``model.`` +
     the tensor names transformers stores, ``hc_attn_fn`` ..., plus ``lm_head.weight``) and
@@ -49,13 +63,9 @@ def save_tiny_glm5_next(path: Path, hc_mult: int, seed: int = 0) -> tuple[Path, 
     model = transformers.Glm5NextTextModel(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("_hc.fn"):
-                p.normal_(0.0, 0.1)
-            elif name.endswith("_hc.base"):
-                p.normal_(0.0, 0.5)
-            elif name.endswith("_hc.scale"):
-                p.normal_(1.0, 0.2)
-            elif name.endswith("e_score_correction_bias"):
+            if perturb_hc(name, p):
+                continue
+            if name.endswith("e_score_correction_bias"):
                 p.normal_(0.0, 0.05)
             elif "index_kpool_compress" in name:
                 p.normal_(0.0, 0.3)

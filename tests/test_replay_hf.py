@@ -44,10 +44,30 @@ def hf_checkpoint(root: Path) -> tuple[Path, Path, list[str]]:
     return hf_dir, root / "ckpt", [f"train.load={root / 'ckpt'}", "model.mla_latent_norm_epsilon=1e-6"]
 
 
-def test_hf_records_replay_hf_selection_within_fp32_reordering(tmp_path: Path, single_rank_parallel_state) -> None:
+def replay_first_row(cfg, dataset: RolloutDataset) -> tuple[dict, torch.Tensor, dict[int, torch.Tensor]]:  # noqa: ANN001
+    """Our model replaying ``dataset``'s first record (``cfg``: a rollout config with replay on):
+    the row, its per-token loss and, per DSA layer number, the key indices its attention read."""
     from recipes.replay.recorder import build_recording_model
     from recipes.replay.step import RolloutStep
 
+    model = build_recording_model(cfg)
+    model.config.dsa_topk_replay = True
+    attended: dict[int, torch.Tensor] = {}
+    handles = [m.core_attention.register_forward_hook(
+        lambda mod, args, output, n=m.layer_number: attended.__setitem__(n, args[2][0]))
+        for m in model.modules() if type(m).__name__ == "GLMSparseMLA"]
+    step = RolloutStep(cfg, model)
+    step.begin(measure=False)
+    row = {k: v.unsqueeze(0) for k, v in dataset[0].items()}
+    with torch.enable_grad():
+        loss = model(row["tokens"], row["position_ids"], None, labels=row["labels"],
+                     packed_seq_params=step.prepare(row)).detach()[0]
+    for h in handles:
+        h.remove()
+    return row, loss, attended
+
+
+def test_hf_records_replay_hf_selection_within_fp32_reordering(tmp_path: Path, single_rank_parallel_state) -> None:
     hf_dir, _, load = hf_checkpoint(tmp_path)
     out = tmp_path / "rollouts"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "record_rollout.py"), "--hf", str(hf_dir),
@@ -74,20 +94,7 @@ def test_hf_records_replay_hf_selection_within_fp32_reordering(tmp_path: Path, s
         want = [set(raw[i][raw[i] <= i].tolist()) for i in range(s)]
         assert [set(r[r >= 0].tolist()) for r in to_record_topk(idx, 16)] == want
     # Our model replaying the records: every attention reads HF's selection.
-    model = build_recording_model(cfg)
-    model.config.dsa_topk_replay = True
-    attended: dict[int, torch.Tensor] = {}
-    handles = [m.core_attention.register_forward_hook(
-        lambda mod, args, output, n=m.layer_number: attended.__setitem__(n, args[2][0]))
-        for m in model.modules() if type(m).__name__ == "GLMSparseMLA"]
-    step = RolloutStep(cfg, model)
-    step.begin(measure=False)
-    row = {k: v.unsqueeze(0) for k, v in dataset[0].items()}
-    with torch.enable_grad():
-        loss = model(row["tokens"], row["position_ids"], None, labels=row["labels"],
-                     packed_seq_params=step.prepare(row)).detach()[0]
-    for h in handles:
-        h.remove()
+    row, loss, attended = replay_first_row(cfg, dataset)
     for layer, idx in capture.topk.items():
         raw = idx[0].long()
         got = attended[layer][:s]  # the first sample is at the row's start
@@ -175,8 +182,6 @@ def test_glm53_records_replay_in_our_model(tmp_path: Path, single_rank_parallel_
     max |logit| in tests/test_glm53_model.py)."""
     from omegaconf import OmegaConf
 
-    from recipes.replay.recorder import build_recording_model
-    from recipes.replay.step import RolloutStep
     from scripts.convert_checkpoint import import_hf
     from tests.test_hf_verify import save_glm5_next
 
@@ -196,20 +201,7 @@ def test_glm53_records_replay_in_our_model(tmp_path: Path, single_rank_parallel_
     record = dataset.records[0]
     assert sorted(record.topk) == [2, 4] and sorted(record.experts) == [2, 3, 4]  # KDA layers 1, 3: no top-k
 
-    model = build_recording_model(cfg)
-    model.config.dsa_topk_replay = True
-    attended: dict[int, torch.Tensor] = {}
-    handles = [m.core_attention.register_forward_hook(
-        lambda mod, args, output, n=m.layer_number: attended.__setitem__(n, args[2][0]))
-        for m in model.modules() if type(m).__name__ == "GLMSparseMLA"]
-    step = RolloutStep(cfg, model)
-    step.begin(measure=False)
-    row = {k: v.unsqueeze(0) for k, v in dataset[0].items()}
-    with torch.enable_grad():
-        loss = model(row["tokens"], row["position_ids"], None, labels=row["labels"],
-                     packed_seq_params=step.prepare(row)).detach()[0]
-    for h in handles:
-        h.remove()
+    row, loss, attended = replay_first_row(cfg, dataset)
     s = record.length
     assert sorted(attended) == [2, 4]
     for layer, want in record.topk.items():
