@@ -24,7 +24,7 @@ SEQ = 16
 CP_CASES: list[Optional[list[int]]] = [None, [0, 5, 9, 16], [0, 11, 16]]
 """Packed THD boundaries (None: BSHD, batch 2). 5 and 9 cut chunks 1 and 2 (rank 1's), 11 chunk 2;
 the document [0, 11) straddles both ranks."""
-CP_TP_CASES: list[Optional[list[int]]] = [None, [0, 5, 9, 16]]
+CP_TP_CASES: list[Optional[list[int]]] = [[0, 5, 9, 16]]
 # The bound is tests/test_kda_tp.py's: CP regroups the same fp32 terms (the linears and the gates on
 # another split of the rows, every weight gradient a sum over the tokens in two partial sums plus an
 # all-reduce, the conv and the delta rule on a batch of H / CP heads instead of H); the recurrence,
