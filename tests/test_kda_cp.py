@@ -140,3 +140,26 @@ def test_heads_must_divide_by_tp_times_cp() -> None:
     with pytest.raises(ValueError, match=r"linear_num_key_heads=4 must be a multiple of "
                                          r"tensor_model_parallel_size \* context_parallel_size = 1 \* 8"):
         _check_config(our_config(-5.0), tp=1, cp=8)
+
+
+def test_memory_plan_counts_kda_under_cp() -> None:
+    """At CP = 2 a rank keeps half of every layer's per-token activations (a KDA layer: the whole
+    row for half its heads between its all-to-alls, as many elements as half the row for all of
+    them) and, on DSA layers only, the whole row's keys gathered over CP; the KDA layers gather
+    none (recipes/plan/memory_plan.py)."""
+    from recipes.config.typed import to_config
+    from recipes.plan import memory_plan
+    from tests.test_config import _compose
+
+    base = ["model=glm5_3_flash_tiny", "precision=fp32", "data.seq_length=64",
+            "train.micro_batch_size=1", "train.global_batch_size=1"]
+    groups = ([(0, 0)] * 5, {"embedding": (0, 0), "head": (0, 0), "mtp": (0, 0)})  # no parameters
+    (one,) = memory_plan.plan_groups(to_config(_compose(base + ["parallelism=single"])), groups)
+    cfg = to_config(_compose(base + ["parallelism=cp2"]))
+    (two,) = memory_plan.plan_groups(cfg, groups)
+    m = cfg.model
+    keys = m.kv_lora_rank + m.qk_pos_emb_head_dim + 2 * m.dsa_indexer_head_dim  # KPool: + its gate
+    dsa_layers = 3  # K D D K D
+    gathered = dsa_layers * 64 * 4 * keys  # the whole row, fp32
+    assert two.activations * memory_plan.GIB == pytest.approx(
+        one.activations * memory_plan.GIB / 2 + gathered, rel=1e-12)
