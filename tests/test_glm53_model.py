@@ -307,7 +307,8 @@ def test_config_rules_name_the_key() -> None:
     cases = {
         "model.linear_attention_freq": ["model.linear_attention_freq=[1,0]"],
         "model.dsa_indexer_types": ["model.dsa_indexer_types=[full,shared,full,full,full]"],
-        "parallelism.context_parallel_size": ["parallelism.context_parallel_size=2", "data.seq_length=64"],
+        # 4 KDA heads split over TP * CP = 8
+        "parallelism.context_parallel_size": ["parallelism.context_parallel_size=8", "data.seq_length=64"],
         "model.mtp_num_layers": ["model.mtp_num_layers=1"],
         "model.linear_num_value_heads": ["model.linear_num_value_heads=2"],
         "model.dsa_indexer_topk_freq": ["model.dsa_indexer_topk_freq=2", "model.dsa_indexer_types=null"],
@@ -318,9 +319,14 @@ def test_config_rules_name_the_key() -> None:
     }
     for key, overrides in cases.items():
         cfg = _compose_raw(["model=glm5_3_flash_tiny", *overrides])
-        world = 2 if any(o.startswith("parallelism") for o in overrides) else 1
+        world = 8 if key == "parallelism.context_parallel_size" else (
+            2 if any(o.startswith("parallelism") for o in overrides) else 1)
         with pytest.raises(ConfigError) as err:
             validate(cfg, world)
         assert err.value.key == key, (key, str(err.value))
+    with pytest.raises(ConfigError, match=r"one of \[1, 2\] .* at tensor_model_parallel_size=2"):
+        validate(_compose_raw(["model=glm5_3_flash_tiny", "parallelism.tensor_model_parallel_size=2",
+                               "parallelism.context_parallel_size=4", "data.seq_length=64"]), 8)
     validate(_compose_raw(["model=glm5_3_flash_tiny"]), 1)
+    validate(_compose_raw(["model=glm5_3_flash_tiny", "parallelism=cp2", "data.seq_length=64"]), 2)
     assert OmegaConf.is_config(_compose_raw(["model=glm5_3_flash"]))

@@ -33,9 +33,26 @@ through ``copy_to_tensor_model_parallel_region``, so its gradient is summed over
 Under sequence parallelism the column-parallel linears gather the sequence (the conv and the
 recurrence need all of it) and ``W_o`` reduce-scatters it.
 
+Context parallelism (CP ranks, megatron's load-balanced layout of
+:mod:`kpool_layers.dsa.context_parallel`: rank ``r`` holds sequence chunks ``r`` and
+``2 CP - 1 - r`` of ``2 CP``) is megatron's GatedDeltaNet scheme
+(``megatron.core.ssm.gated_delta_net.common``): q, k, v (before the conv), the log decay ``g`` and
+``beta``, computed on this rank's ``s / CP`` tokens for all ``H_l`` heads, go through an
+all-to-all that turns the sequence shard into a head shard (``tensor_a2a_cp2hp``: CP rank ``c``
+gets heads ``[c H_l / CP, (c + 1) H_l / CP)`` of the whole sequence, the load-balanced chunk order
+undone), the conv (with those heads' rows of the conv weights, ``get_parameter_local_cp``) and
+the delta rule run on the whole sequence in order, and the inverse all-to-all
+(``tensor_a2a_hp2cp``, the chunk order redone) hands each rank its tokens back for all ``H_l``
+heads before the gated norm and ``W_o``. ``H`` must divide by ``TP * CP``. The parameters do not
+depend on CP: every CP rank holds all of its TP rank's KDA weights, and a weight's gradient on one
+CP rank is that rank's tokens' (or heads') part, summed over CP by megatron's DDP reduction over
+the data-parallel x CP ranks (as for every parameter).
+
 Packed THD (``packed_seq_params.qkv_format == 'thd'``, ``b == 1``): the conv and the recurrence
 restart at every boundary of ``cu_seqlens_q`` (``cu_seqlens_q_padded`` when set); tokens past its
-last entry form one more document. ``attention_mask`` is not read. Context parallelism is refused.
+last entry form one more document. Under CP the boundaries describe the whole row (the row is
+split like an unpacked one, documents may straddle ranks); they apply to the whole sequence the
+all-to-all gathers. ``attention_mask`` is not read.
 """
 
 from __future__ import annotations
@@ -50,6 +67,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.ssm.gated_delta_net.common import (
+    get_parameter_local_cp,
+    tensor_a2a_cp2hp,
+    tensor_a2a_hp2cp,
+)
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -113,8 +135,10 @@ def _check_config(config: GLMTransformerConfig, tp: int, cp: int) -> None:
                          f"linear_num_key_heads={config.linear_num_key_heads} and "
                          f"linear_key_head_dim={config.linear_key_head_dim} must be multiples of "
                          f"tensor_model_parallel_size={tp}")
-    if cp > 1:
-        raise ValueError(f"KDA does not support context_parallel_size={cp}; allowed: 1")
+    if config.linear_num_key_heads % (tp * cp):
+        raise ValueError(f"KDA splits its heads over TP x CP: linear_num_key_heads="
+                         f"{config.linear_num_key_heads} must be a multiple of "
+                         f"tensor_model_parallel_size * context_parallel_size = {tp} * {cp}")
     if config.add_bias_linear:
         raise ValueError("KDA has no linear biases; set add_bias_linear=False")
 
@@ -190,8 +214,9 @@ class KimiDeltaAttention(AttentionSlotLayer):
         self.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=["tp", "cp"])
         self.tp_group = self.pg_collection.tp
+        self.cp_group = self.pg_collection.cp
         tp = get_pg_size(self.tp_group)
-        _check_config(config, tp, get_pg_size(self.pg_collection.cp))
+        _check_config(config, tp, get_pg_size(self.cp_group))
         self.sequence_parallel = config.sequence_parallel and tp > 1
         self.head_dim = config.linear_key_head_dim
         self.local_heads = config.linear_num_key_heads // tp
@@ -304,22 +329,48 @@ class KimiDeltaAttention(AttentionSlotLayer):
         normed = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.config.layernorm_epsilon)
         return (normed * weight.float() * torch.sigmoid(gate.float())).to(o.dtype)
 
+    def _to_heads(self, x: Tensor) -> Tensor:
+        """``[s / CP, b, H_l * C]`` (this CP rank's tokens, SP gathered; all ``H_l`` heads, ``C``
+        channels per head) -> ``[b, s, H_l / CP, C]`` (the whole sequence in order, this CP rank's heads);
+        the all-to-all of megatron's GatedDeltaNet, the identity without CP."""
+        if get_pg_size(self.cp_group) > 1:
+            x = tensor_a2a_cp2hp(x, seq_dim=0, head_dim=-1, cp_group=self.cp_group)
+        return x.transpose(0, 1).unflatten(-1, (self._cp_heads(), -1))
+
+    def _from_heads(self, x: Tensor) -> Tensor:
+        """The inverse of :meth:`_to_heads`: ``[b, s, H_l / CP, C]`` -> ``[s / CP, b, H_l, C]``."""
+        x = x.flatten(2).transpose(0, 1)
+        if get_pg_size(self.cp_group) > 1:
+            x = tensor_a2a_hp2cp(x.contiguous(), seq_dim=0, head_dim=-1, cp_group=self.cp_group)
+        return x.unflatten(-1, (self.local_heads, -1))
+
+    def _cp_heads(self) -> int:
+        """Heads this rank runs the conv and the delta rule for: ``H / (TP * CP)``."""
+        return self.local_heads // get_pg_size(self.cp_group)
+
+    def _cp_local(self, param: Tensor) -> Tensor:
+        """This CP rank's heads' rows of a per-channel parameter (all of them without CP)."""
+        return get_parameter_local_cp(param, dim=0, cp_group=self.cp_group)
+
     def attend(self, hidden_states: Tensor, packed_seq_params: Optional[PackedSeqParams],
                cu_seqlens: Optional[Tensor]) -> tuple[Tensor, None]:
         """``hidden_states [s_local, b, h]`` -> ``(output [s_local, b, h], None)``; the THD
-        boundaries ``cu_seqlens`` restart the conv and the recurrence (the base's ``forward``
-        takes ``TransformerLayer``'s arguments and rejects inference and cross-attention)."""
+        boundaries ``cu_seqlens`` (of the whole row) restart the conv and the recurrence (the
+        base's ``forward`` takes ``TransformerLayer``'s arguments and rejects inference and
+        cross-attention). Under CP the conv and the delta rule see the whole sequence for
+        ``H / (TP * CP)`` heads (module docstring)."""
 
-        heads = (self.local_heads, self.head_dim)
-        q, k, v = (lin(hidden_states)[0] for lin in (self.linear_q, self.linear_k, self.linear_v))
-        s, b = q.shape[:2]  # the full sequence (SP gathered)
+        q, k, v = (self._to_heads(lin(hidden_states)[0])
+                   for lin in (self.linear_q, self.linear_k, self.linear_v))  # [b, s, H_l/CP, D]
+        s = q.shape[1]  # the full sequence (SP and CP gathered)
         positions, bounds = document_index(s, cu_seqlens, q.device)
-        q, k, v = (causal_depthwise_conv(t.transpose(0, 1), w, positions).unflatten(-1, heads)
-                   for t, w in ((q, self.conv_q), (k, self.conv_k), (v, self.conv_v)))  # [b, s, H_l, D]
-        g = self._decay(hidden_states).transpose(0, 1)                                 # [b, s, H_l, D]
-        beta = torch.sigmoid(self.linear_beta(hidden_states)[0]).transpose(0, 1)       # [b, s, H_l]
-        o = self.kernel(q, k, v, g, beta, self.head_dim ** -0.5, bounds)               # [b, s, H_l, D]
+        q, k, v = (causal_depthwise_conv(t.flatten(2), self._cp_local(w), positions).unflatten(-1, t.shape[2:])
+                   for t, w in ((q, self.conv_q), (k, self.conv_k), (v, self.conv_v)))
+        g = self._to_heads(self._decay(hidden_states).flatten(2))                     # [b, s, H_l/CP, D]
+        beta = self._to_heads(torch.sigmoid(self.linear_beta(hidden_states)[0]))[..., 0]  # [b, s, H_l/CP]
+        o = self.kernel(q, k, v, g, beta, self.head_dim ** -0.5, bounds)               # [b, s, H_l/CP, D]
+        o = self._from_heads(o)                                                        # [s/CP, b, H_l, D]
         gate = self._low_rank(self.linear_g_a, self.linear_g_b, hidden_states)
-        o = self._gated_norm(o, gate.transpose(0, 1).unflatten(-1, heads))
-        out, _ = self.linear_proj(o.flatten(2).transpose(0, 1).contiguous())          # [s_local, b, h]
+        o = self._gated_norm(o, gate.unflatten(-1, (self.local_heads, self.head_dim)))
+        out, _ = self.linear_proj(o.flatten(2).contiguous())                           # [s_local, b, h]
         return out, None

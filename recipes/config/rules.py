@@ -180,8 +180,9 @@ def _plain_list(value: Any) -> Any:
 
 def _check_layer_pattern(m: DictConfig, p: DictConfig, t: DictConfig, d: DictConfig) -> None:
     """Hybrid KDA/DSA models (``model.linear_attention_freq``) and per-layer indexer types
-    (``model.dsa_indexer_types``): valid patterns, KDA sizes the layer supports, and the features
-    that do not work with KDA layers."""
+    (``model.dsa_indexer_types``): valid patterns, KDA sizes the layer supports (its heads split over
+    TP and, by the context-parallel all-to-all, over TP * CP), and the features that do not work with
+    KDA layers."""
     freq = _plain_list(m.linear_attention_freq)
     problem = model_facts.linear_attention_problem(m.num_layers, freq)
     if problem is not None:
@@ -211,8 +212,12 @@ def _check_layer_pattern(m: DictConfig, p: DictConfig, t: DictConfig, d: DictCon
         _require(m[key] % tp == 0, "parallelism.tensor_model_parallel_size", tp,
                  _divisors_of(m[key]) + f" = model.{key}'s divisors (KDA splits its heads and the "
                  "rank-D gate projections over TP)")
-    _require(p.context_parallel_size == 1, "parallelism.context_parallel_size", p.context_parallel_size,
-             f"1 {with_kda} (KDA's recurrence does not pass its state between CP ranks)")
+    cp, heads = p.context_parallel_size, m.linear_num_key_heads
+    if heads % tp == 0:  # else the TP rule above has named the problem
+        allowed = [c for c in range(1, heads // tp + 1) if (heads // tp) % c == 0]
+        _require(heads % (tp * cp) == 0, "parallelism.context_parallel_size", cp,
+                 f"one of {allowed} {with_kda} at tensor_model_parallel_size={tp}: KDA's all-to-all "
+                 f"splits model.linear_num_key_heads={heads} over TP * CP")
     _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
              f"0 {with_kda} (transformers' glm5_next has no MTP layer)")
     _require(t.cuda_graph_impl is CudaGraphImpl.none, "train.cuda_graph_impl", t.cuda_graph_impl.value,

@@ -16,9 +16,13 @@ chunk's, plus the gathered bf16 hidden states the chunks are recomputed from and
 weight gradient's FP32 accumulator). Activation recompute
 (``train.recompute_*``) keeps less per layer and rebuilds one unit during backward
 (:func:`_recomputed`). Under context parallelism a rank holds
-``seq_length / CP`` tokens of every micro batch, and every layer also keeps the whole row's keys it
+``seq_length / CP`` tokens of every micro batch, and every DSA layer also keeps the whole row's keys it
 gathered from the CP ranks for backward: the latent KV (``kv_lora_rank + qk_pos_emb_head_dim``)
-and the indexer keys (``dsa_indexer_head_dim``, twice with the KPool gate). A stage fits a GPU if its total is at
+and the indexer keys (``dsa_indexer_head_dim``, twice with the KPool gate). A KDA layer gathers
+nothing: its all-to-all trades the sequence shard for a head shard, so what it keeps between the
+all-to-alls (the whole row for ``H / (TP * CP)`` heads) is as many elements as ``seq_length / CP``
+tokens of all ``H / TP`` heads, and :func:`_layer_bytes` per token of this rank's counts it.
+A stage fits a GPU if its total is at
 most :data:`USABLE` of the memory (CUDA context, NCCL buffers and fragmentation take the rest).
 """
 
@@ -168,7 +172,9 @@ def _layer_bytes(m: Any, layer_number: int, tp: int) -> float:
     Korthikanti's ``34 h / TP``; a KDA layer replaces its 15 h of attention by
     ``2 h + 24 W + 4 H D^2 / C`` (``W = H D``): the normalised input, q/k/v before and after the
     conv (bf16), the fp32 log decay, the delta-rule output and the output gate (bf16), the fp32
-    gated-norm input, and the fp32 D x D state per chunk of C tokens and head. With mHC
+    gated-norm input, and the fp32 D x D state per chunk of C tokens and head (per token of this
+    CP rank's: under CP the conv and the delta rule keep the whole row for ``H / (TP * CP)`` heads,
+    the same number of elements). With mHC
     (``hc_mult`` N) each of the layer's two blocks also keeps its input streams, N x h bf16
     (``comb^T @ streams`` and the projection of the flattened streams need them for backward):
     ``4 N h`` more."""
@@ -198,11 +204,12 @@ def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
     micro_batches = t.global_batch_size // (t.micro_batch_size * dp)
     cp = p.context_parallel_size
     tokens = t.micro_batch_size * cfg.data.seq_length // cp  # this CP rank's
-    gathered = 0.0  # bytes per layer and micro batch: the whole row's keys gathered over CP
+    gathered = 0.0  # bytes per DSA layer and micro batch: the whole row's keys gathered over CP
     if cp > 1:
         index_keys = m.dsa_indexer_head_dim * (2 if m.dsa_indexer_kpool > 1 else 1)
         gathered = (t.micro_batch_size * cfg.data.seq_length * wbytes
                     * (m.kv_lora_rank + m.qk_pos_emb_head_dim + index_keys))
+    pattern = model_facts.LayerPattern.of(m)
     stages, start = [], 0
     for stage, count in enumerate(sizes):
         groups = per_layer[start:start + count]
@@ -218,7 +225,8 @@ def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
         kept, working = _recomputed(t, full, [bool(g[1]) for g in per_layer[start:start + count]],
                                     m.hidden_size / tp, m.hc_mult or 0)
         in_flight = min(pp - stage, micro_batches)
-        activations = (sum(kept) * tokens + count * gathered) * in_flight + working * tokens
+        dsa_layers = sum(not pattern.is_linear_attention(start + i + 1) for i in range(count))
+        activations = (sum(kept) * tokens + dsa_layers * gathered) * in_flight + working * tokens
         logits = 0.0
         if stage == pp - 1:
             chunk = t.loss_chunk_tokens
