@@ -105,6 +105,47 @@ def test_boundary_tie_frac_by_hand():
         drift.boundary_tie_frac(scores, k=0)
 
 
+def test_score_drift_over_chunks_equals_the_whole_rows():
+    """ScoreDrift fed query chunk by chunk gives the metrics of the whole [s, sk] rows: the tie
+    counts exactly, score_rel_err up to FP32 summation order (relative 2 * sk * s * 2^-24 for the
+    two sums of squares, far below the 1e-5 asserted)."""
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(37, 50, generator=gen).round(decimals=1)  # rounding makes boundary ties
+    ref[torch.rand(37, 50, generator=gen) < 0.3] = -INF
+    train = ref + 1e-2 * torch.randn(37, 50, generator=gen)
+    whole_err, whole_ties = drift.score_rel_err(train, ref), drift.boundary_tie_frac(ref, k=8)
+    acc = drift.ScoreDrift(8, ref.device)
+    for start in range(0, 37, 5):
+        acc.add(train[start:start + 5], ref[start:start + 5])
+    out = acc.result()
+    assert out["boundary_tie_frac"].item() == whole_ties.item() > 0
+    assert out["score_rel_err"].item() == pytest.approx(whole_err.item(), rel=1e-5)
+
+
+def test_score_rows_bound_the_chunk_intermediate(monkeypatch: pytest.MonkeyPatch):
+    """A chunk's [c, heads, keys] FP32 scores stay within SCORE_BUFFER_BYTES (1 GiB): 1024 queries
+    at 4096 keys and 32 heads (512 MiB), 64 at 131072 keys; ScoredSelection.score_chunks splits
+    its rows the same way and yields every query once, in order."""
+    from kpool_layers.dsa import indexer, topk
+
+    assert topk.score_rows(1024, 32, 4096) == 1024
+    assert topk.score_rows(1024, 32, 131072) == 64
+    assert topk.score_rows(1024, 1, 131072) == 1024 and topk.score_rows(8, 32, 10**12) == 1
+    monkeypatch.setattr(topk, "SCORE_BUFFER_BYTES", 4 * 2 * 16 * 3)  # 3 queries of 2 heads x 16 keys
+    lay = type("Layout", (), {"n_pools": 16, "query_lo": torch.zeros(10, dtype=torch.long),
+                              "query_hi": torch.arange(1, 11)})()
+    sel = indexer.ScoredSelection(topk_indices=torch.zeros(1, 10, 4, dtype=torch.long),
+                                  q=torch.randn(10, 1, 2, 8), keys=torch.randn(16, 1, 8),
+                                  weights=torch.rand(10, 1, 2), layout=lay)
+    parts = list(sel.score_chunks(0, relu=True, chunk_size=1024))
+    assert [p.shape[0] for p in parts] == [3, 3, 3, 1]
+    whole = topk.index_scores(sel.q[:, 0], sel.keys[:, 0], sel.weights[:, 0], relu=True)
+    visible = torch.arange(16) < lay.query_hi[:, None]
+    # the same scores up to the GEMM's blocking: 16-term FP32 sums per head of terms below 20
+    # in magnitude (2 heads): |error| <= 2 * 16 * 2^-24 * 20 < 1e-4
+    torch.testing.assert_close(torch.cat(parts), whole.masked_fill(~visible, -INF), rtol=0, atol=1e-4)
+
+
 def test_reduce_drift_metrics_single_process():
     metrics = {"b": torch.tensor(0.25), "a": torch.tensor(1.0)}
     assert drift.reduce_drift_metrics(metrics) == metrics

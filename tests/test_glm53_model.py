@@ -294,7 +294,7 @@ def test_glm5_3_flash_parameter_count_equals_transformers() -> None:
         assert memory_plan._layer_bytes(m, layer, 2) - memory_plan._layer_bytes(no_hc, layer, 2) == 4 * 4 * 4096 / 2
     full = _compose(["model=glm5_3_flash", "train.recompute_granularity=full", "train.recompute_method=uniform",
                      "train.recompute_num_layers=1"]).train
-    kept, _ = memory_plan._recomputed(full, [1.0, 1.0], [False, True], 4096 / 2, 4)
+    kept, _ = memory_plan._recomputed(full, [1.0, 1.0], [0.5, 0.5], [False, True], 4096 / 2, 4)
     assert kept == [2 * 4 * 4096 / 2] * 2
 
 

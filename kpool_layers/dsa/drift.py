@@ -9,8 +9,8 @@ Inputs
 
 Per query q with ``I = |S_q ∩ R_q|``: overlap ``I / |R_q|``, Jaccard ``I / |S_q ∪ R_q|``, exact
 ``S_q == R_q``. Queries with ``|R_q| = 0`` are left out of every mean. Memory is
-``O(b * s * W)`` (sort + binary search, never ``W x W`` or ``s x s``); only the optional score
-metrics read ``[b, s, sk]`` rows, which the caller passes chunk by chunk.
+``O(b * s * W)`` (sort + binary search, never ``W x W`` or ``s x s``); only the score metrics read
+``[..., sk]`` score rows, which :class:`ScoreDrift` takes chunk by chunk.
 
 Every metric is a 0-d FP32 tensor on the input's device, so a dict of them can be all-reduced
 (:func:`reduce_drift_metrics`).
@@ -109,16 +109,44 @@ def topk_drift(
     return out
 
 
-def score_rel_err(train_scores: torch.Tensor, ref_scores: torch.Tensor) -> torch.Tensor:
-    """``||s_train - s_ref||_2 / ||s_ref||_2`` over entries finite in both (masked entries are
-    ``-inf``), computed in FP32; 0 when the reference norm is 0. Any equal shapes."""
+def _score_sums(train_scores: torch.Tensor, ref_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP32 ``(sum (s_train - s_ref)^2, sum s_ref^2)`` over entries finite in both (masked entries
+    are ``-inf``)."""
     if train_scores.shape != ref_scores.shape:
         raise ValueError(f"score shapes differ: {tuple(train_scores.shape)} vs {tuple(ref_scores.shape)}")
     t, r = train_scores.float(), ref_scores.float()
     valid = torch.isfinite(t) & torch.isfinite(r)
-    diff = torch.where(valid, t - r, 0.0).norm()
-    ref = torch.where(valid, r, 0.0).norm()
-    return torch.where(ref > 0, diff / ref.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(ref))
+    return torch.where(valid, t - r, 0.0).square().sum(), torch.where(valid, r, 0.0).square().sum()
+
+
+def _rel_err(diff_sq: torch.Tensor, ref_sq: torch.Tensor) -> torch.Tensor:
+    """``sqrt(diff_sq) / sqrt(ref_sq)``; 0 when ``ref_sq`` is 0."""
+    ref = ref_sq.sqrt()
+    return torch.where(ref > 0, diff_sq.sqrt() / ref.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(ref))
+
+
+def _tie_counts(ref_scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(queries whose k-th and (k+1)-th largest scores are equal, queries with k + 1 finite
+    scores)`` of ``ref_scores [..., sk]``, FP32 0-d each."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    zero = torch.zeros((), device=ref_scores.device)
+    if ref_scores.shape[-1] <= k:
+        return zero, zero
+    top = ref_scores.float().topk(k + 1, dim=-1).values
+    kth, next_ = top[..., k - 1], top[..., k]
+    valid = torch.isfinite(next_)
+    return ((kth == next_) & valid).sum().float(), valid.sum().float()
+
+
+def _ratio(count: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    return torch.where(total > 0, count / total.clamp(min=1), torch.zeros_like(total))
+
+
+def score_rel_err(train_scores: torch.Tensor, ref_scores: torch.Tensor) -> torch.Tensor:
+    """``||s_train - s_ref||_2 / ||s_ref||_2`` over entries finite in both (masked entries are
+    ``-inf``), computed in FP32; 0 when the reference norm is 0. Any equal shapes."""
+    return _rel_err(*_score_sums(train_scores, ref_scores))
 
 
 def boundary_tie_frac(ref_scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -126,14 +154,25 @@ def boundary_tie_frac(ref_scores: torch.Tensor, k: int) -> torch.Tensor:
     set is then decided by tie-breaking alone): ``ref_scores [b, s, sk]`` (a query chunk; masked
     entries ``-inf``) -> 0-d FP32. Queries with fewer than ``k + 1`` finite scores cannot tie at
     the boundary and are left out of the mean."""
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    if ref_scores.shape[-1] <= k:
-        return torch.zeros((), device=ref_scores.device)
-    top = ref_scores.float().topk(k + 1, dim=-1).values
-    kth, next_ = top[..., k - 1], top[..., k]
-    valid = torch.isfinite(next_)
-    return _valid_mean(kth == next_, valid)
+    return _ratio(*_tie_counts(ref_scores, k))
+
+
+class ScoreDrift:
+    """:func:`score_rel_err` and :func:`boundary_tie_frac` over score rows passed chunk by chunk
+    (:meth:`add`; any split of the same rows gives the same metrics up to FP32 summation order),
+    so no ``[s, sk]`` score tensor needs to exist."""
+
+    def __init__(self, k: int, device: torch.device) -> None:
+        self.k = k
+        self._sums = torch.zeros(4, device=device)  # diff^2, ref^2, ties, tie-able queries
+
+    def add(self, train_scores: torch.Tensor, ref_scores: torch.Tensor) -> None:
+        """One chunk of rows: ``[..., sk]`` each, equal shapes."""
+        self._sums += torch.stack([*_score_sums(train_scores, ref_scores), *_tie_counts(ref_scores, self.k)])
+
+    def result(self) -> dict[str, torch.Tensor]:
+        diff_sq, ref_sq, ties, total = self._sums.unbind()
+        return {"score_rel_err": _rel_err(diff_sq, ref_sq), "boundary_tie_frac": _ratio(ties, total)}
 
 
 def reduce_drift_metrics(

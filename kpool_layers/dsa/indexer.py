@@ -43,7 +43,7 @@ selection under other numerics (the top-k drift reference, ``recipes.observe.dri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +61,7 @@ from kpool_layers.precision.linears import RoleDuplicatedLinear, computed_by_own
 from kpool_layers.dsa.kpool import PoolLayout, index_keys, kpool_select, pool_layout
 from kpool_layers.dsa.numerics import IndexerNumerics, RoutedProjections, indexer_numerics
 from kpool_layers.precision.policy import Role
-from kpool_layers.dsa.topk import index_scores, score_dtype
+from kpool_layers.dsa.topk import index_scores, score_dtype, score_rows
 
 
 @dataclass
@@ -128,18 +128,21 @@ class ScoredSelection:
             layout=out.layout,
         )
 
-    def scores(self, row: int, relu: bool, chunk_size: int) -> Tensor:
-        """FP32 ``[s_q, n]`` index scores of batch row ``row`` (``chunk_size`` queries at a time),
-        ``-inf`` where a query cannot see the key (causal / other document / incomplete pool)."""
+    def score_chunks(self, row: int, relu: bool, chunk_size: int) -> Iterator[Tensor]:
+        """FP32 index scores of batch row ``row``, query chunk by query chunk: ``[c, n]`` each, in
+        query order, ``-inf`` where a query cannot see the key (causal / other document /
+        incomplete pool). ``c`` is ``chunk_size`` or less (:func:`~kpool_layers.dsa.topk.score_rows`:
+        a chunk's per-head intermediate stays within ``SCORE_BUFFER_BYTES``), the same for any two
+        selections of equal shapes."""
         lay = self.layout
         cols = torch.arange(lay.n_pools, device=self.q.device)
-        out = []
-        for start in range(0, self.q.shape[0], chunk_size):
-            end = min(start + chunk_size, self.q.shape[0])
+        t, _, heads, _ = self.q.shape
+        rows = score_rows(chunk_size, heads if relu else 1, self.keys.shape[0])
+        for start in range(0, t, rows):
+            end = min(start + rows, t)
             part = index_scores(self.q[start:end, row], self.keys[:, row], self.weights[start:end, row], relu=relu)
             visible = (cols >= lay.query_lo[start:end, None]) & (cols < lay.query_hi[start:end, None])
-            out.append(part.masked_fill(~visible, float("-inf")))
-        return torch.cat(out)
+            yield part.masked_fill(~visible, float("-inf"))
 
 
 # --- end precision ------------------------------------------------------------------------------

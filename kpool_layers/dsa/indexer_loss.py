@@ -19,7 +19,9 @@ rank's loss is its queries' KL summed over the mean's global denominator (all ``
 ranks): megatron's schedules scale the auxiliary loss's gradient by the CP size and DDP averages
 over the data-parallel x CP ranks, so the gradient is exactly that of the whole row's mean.
 
-Memory: queries are processed in chunks of ``config.dsa_indexer_query_chunk_size``; each chunk is
+Memory: queries are processed in chunks of ``config.dsa_indexer_query_chunk_size`` (fewer at long
+context: :func:`kpool_layers.dsa.topk.score_rows` keeps a chunk's ``[c, heads, s]`` FP32 scores within
+``SCORE_BUFFER_BYTES``); each chunk is
 activation-checkpointed, so nothing of size ``[s, s]`` (or ``[s, s / kpool]``) is kept for
 backward; the no-grad target of a chunk is recomputed in backward.
 """
@@ -35,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kpool_layers.dsa.indexer import DSAIndexer, IndexerOutput
 from kpool_layers.dsa.kpool import PoolLayout, pool_layout
-from kpool_layers.dsa.topk import index_scores, score_dtype
+from kpool_layers.dsa.topk import index_scores, score_dtype, score_rows
 
 TARGET_EPS = 1e-10
 """Floor of the target's normaliser and of ``log(target)`` (megatron's INDEXER_LOSS_EPS)."""
@@ -191,7 +193,8 @@ def indexer_kl_loss(
         if tp is not None and dist.get_world_size(tp) > 1:
             slot_mass = slot_mass.clone()
             dist.all_reduce(slot_mass, group=tp)  # heads are split over TP ranks
-    chunk = cfg.dsa_indexer_query_chunk_size
+    # the dense target's [c, heads, keys] FP32 scores stay within SCORE_BUFFER_BYTES
+    chunk = score_rows(cfg.dsa_indexer_query_chunk_size, max(out.q.shape[2], main_query.shape[2]), s_kv)
     doc_start, position = layout.doc_start.cpu(), layout.query_pos.cpu()
     lo, hi = layout.query_lo.cpu(), layout.query_hi.cpu()
     total = main_query.new_zeros((), dtype=score_dtype(out.q.dtype))

@@ -16,8 +16,10 @@ Layouts (one batch row; packed THD rows are just longer rows):
     result   [t, topk] int64, the selected key indices into ``keys`` in ascending order, then
              -1 for the empty slots
 
-Queries are processed in chunks of ``chunk_size`` and each chunk only scores the keys its queries
-can see, so memory is ``O(chunk * n * h)`` at most and no ``[t, n]`` tensor exists.
+Queries are processed in chunks of ``chunk_size`` (fewer where the chunk's ``[c, h, n]`` score
+intermediate would exceed :data:`SCORE_BUFFER_BYTES`: :func:`score_rows`) and each chunk only scores
+the keys its queries can see, so memory is ``O(min(chunk * n * h, SCORE_BUFFER_BYTES))`` and no
+``[t, n]`` tensor exists.
 
 Determinism: scores are computed in FP32 (FP64 if the inputs are FP64) and ties are broken towards
 the LOWER key index by a stable descending sort, on CPU and GPU alike. ``-0.0`` is folded into
@@ -33,6 +35,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+SCORE_BUFFER_BYTES = 1 << 30
+"""Upper bound of one ``[c, h, n]`` FP32 intermediate of a query chunk's scores (1 GiB): at
+``n = 131072`` keys and 32 heads a chunk holds 64 queries instead of 1024."""
+
+
+def score_rows(chunk_size: int, heads: int, keys: int) -> int:
+    """Queries per chunk when scoring against ``keys`` keys with ``heads`` heads (``heads = 1`` where
+    no per-head intermediate exists): ``chunk_size``, or fewer so that a ``[c, heads, keys]`` FP32
+    tensor stays within :data:`SCORE_BUFFER_BYTES`; at least 1."""
+    return max(1, min(chunk_size, SCORE_BUFFER_BYTES // (4 * max(heads, 1) * max(keys, 1))))
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -91,9 +105,10 @@ def chunked_range_topk(
     if t == 0 or topk == 0:
         return out
     lo_host, hi_host = lo.cpu(), hi.cpu()  # one host sync for all chunk windows
+    rows = score_rows(chunk_size, q.shape[1] if relu else 1, keys.shape[0])
     with torch.no_grad():
-        for start in range(0, t, chunk_size):
-            end = min(start + chunk_size, t)
+        for start in range(0, t, rows):
+            end = min(start + rows, t)
             k_lo, k_hi = int(lo_host[start:end].min()), int(hi_host[start:end].max())
             width = min(topk, k_hi - k_lo)
             if width <= 0:

@@ -11,7 +11,7 @@ Per measured step (all ranks take part):
    weights are still those of the forward) removes the hooks; each indexer recomputes the
    selection from the recorded arguments under the reference numerics (:func:`reference_numerics`)
    without grad (``DSAIndexer.recompute``), and :func:`kpool_layers.dsa.drift.topk_drift` /
-   :func:`~kpool_layers.dsa.drift.boundary_tie_frac` compare them. Metrics are averaged over
+   :class:`~kpool_layers.dsa.drift.ScoreDrift` (the score metrics, query chunk by query chunk) compare them. Metrics are averaged over
    data-parallel x context-parallel ranks (:func:`~kpool_layers.dsa.drift.reduce_drift_metrics`) and
    gathered over pipeline stages.
 3. :meth:`DriftMonitor.log` on the logging rank: ``dsa/<metric>/layer_<N>`` per layer,
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from torch.utils.hooks import RemovableHandle
 
-from kpool_layers.dsa.drift import boundary_tie_frac, reduce_drift_metrics, topk_drift
+from kpool_layers.dsa.drift import ScoreDrift, reduce_drift_metrics, topk_drift
 from kpool_layers.dsa.indexer import DSAIndexer, IndexerOutput, ScoredSelection
 from kpool_layers.dsa.numerics import IndexerNumerics, indexer_numerics
 from kpool_layers.precision.policy import PrecisionPolicy
@@ -64,11 +64,6 @@ def drift_indexers(model: torch.nn.Module, num_layers: int) -> dict[int, DSAInde
     """Indexers of ``model`` (this pipeline stage) keyed by layer number (MTP after the decoder)."""
     return {logged_layer_number(name, module.layer_number, num_layers): module
             for name, module in model.named_modules() if isinstance(module, DSAIndexer)}
-
-
-def _scores(sel: ScoredSelection, relu: bool, chunk: int) -> torch.Tensor:
-    """``[b, s, n]`` FP32 masked index scores of every batch row."""
-    return torch.stack([sel.scores(row, relu, chunk) for row in range(sel.topk_indices.shape[0])])
 
 
 @dataclasses.dataclass
@@ -104,11 +99,14 @@ def layer_drift(indexer: DSAIndexer, recorded: Recorded,
     train = recorded.train
     relu, chunk = cfg.dsa_indexer_scoring_relu, cfg.dsa_indexer_query_chunk_size
     with torch.no_grad():
-        train_scores, ref_scores = _scores(train, relu, chunk), _scores(ref, relu, chunk)
         tail = indexer.kpool - 1 if cfg.dsa_indexer_kpool_always_select_tail else 0
-        out = topk_drift(train.topk_indices, ref.topk_indices, kpool=indexer.kpool, tail=tail,
-                         train_scores=train_scores, ref_scores=ref_scores)
-        out["boundary_tie_frac"] = boundary_tie_frac(ref_scores, cfg.dsa_indexer_topk // indexer.kpool)
+        out = topk_drift(train.topk_indices, ref.topk_indices, kpool=indexer.kpool, tail=tail)
+        scores = ScoreDrift(cfg.dsa_indexer_topk // indexer.kpool, train.q.device)
+        for row in range(train.topk_indices.shape[0]):
+            for train_part, ref_part in zip(train.score_chunks(row, relu, chunk),
+                                            ref.score_chunks(row, relu, chunk), strict=True):
+                scores.add(train_part, ref_part)
+        out.update(scores.result())
     return out
 
 

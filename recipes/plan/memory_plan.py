@@ -115,32 +115,36 @@ class RankSizes:
         return 12 / (self.edp if self.distributed_optimizer else 1)
 
 
-def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input: float, streams: int = 0
-                ) -> tuple[list[float], float]:
-    """Bytes per token each of a stage's layers keeps for backward under ``t``'s recompute
-    (``full``: each layer's without recompute; ``moe``: which are MoE layers; ``layer_input``:
-    ``h / TP``, so that a layer's bf16 input is ``2 * layer_input`` bytes per token; ``streams``:
-    mHC's N, 0 without, whose ``4 N h / TP`` stream bytes stay outside the MLP and whose N x h
-    streams are a layer's input), and the largest recompute unit's activations per token, which
-    exist again while it is recomputed.
+RECOMPUTE_WORKING_FACTOR = 2
+"""A recompute unit's activations exist twice over while it runs its backward: rebuilt, and their
+gradients. Measured on glm5_proxy with full recompute (``scripts/bench/activation_memory.py
+--peak-sites``): at the peak, one rebuilt layer (17 GiB at 131072 tokens) beside 12 GiB of
+gradients in the checkpoint's backward."""
 
-    Korthikanti et al.'s 34 h per token and layer splits into 15 h attention + layer norms and
-    19 h MLP, of which the MLP's input is 2 h: recomputing ``mlp`` (dense layers) or ``moe`` (MoE
-    layers, with their routed intermediates) keeps the input only. ``full`` keeps each unit's
-    input (``uniform``: every ``recompute_num_layers`` layers one unit; ``block``: the first
-    ``recompute_num_layers`` layers, one unit each). ``shared_experts`` is not modelled (the
-    estimate has no separate shared-expert term)."""
+
+def _recomputed(t: TrainConfig, full: list[float], mlp: list[float], moe: list[bool], layer_input: float,
+                streams: int = 0) -> tuple[list[float], float]:
+    """Bytes per token each of a stage's layers keeps for backward under ``t``'s recompute
+    (``full``: each layer's without recompute; ``mlp``: the part of it the MLP block keeps, routed
+    intermediates included; ``moe``: which are MoE layers; ``layer_input``: ``h / TP``, so that a layer's bf16 input is
+    ``2 * layer_input`` bytes per token; ``streams``: mHC's N, 0 without, whose N x h streams are a
+    layer's input), and the recompute working set per token: the largest unit's activations, which
+    exist again while it is recomputed, times :data:`RECOMPUTE_WORKING_FACTOR`.
+
+    Recomputing ``mlp`` (dense layers) or ``moe`` (MoE layers) keeps the MLP's input (2 h) instead
+    of its part. ``full`` keeps each unit's input (``uniform``: every ``recompute_num_layers``
+    layers one unit; ``block``: the first ``recompute_num_layers`` layers, one unit each).
+    ``shared_experts`` is not modelled (the estimate has no separate shared-expert term)."""
     granularity = t.recompute_granularity
     if granularity is None:
         return full, 0.0
     if granularity.value == "selective":
         kept, working = list(full), 0.0
-        for i, is_moe in enumerate(moe):
+        for i, (part, is_moe) in enumerate(zip(mlp, moe, strict=True)):
             if ("moe" if is_moe else "mlp") in (t.recompute_modules or ()):
-                mlp_part = full[i] - 34 * layer_input + 19 * layer_input - 4 * streams * layer_input
-                kept[i] = full[i] - mlp_part + 2 * layer_input
-                working = max(working, mlp_part)
-        return kept, working
+                kept[i] = full[i] - part + 2 * layer_input
+                working = max(working, part)
+        return kept, RECOMPUTE_WORKING_FACTOR * working
     n = t.recompute_num_layers
     if t.recompute_method.value == "uniform":
         units = [range(i, min(i + n, len(full))) for i in range(0, len(full), n)]
@@ -150,7 +154,7 @@ def _recomputed(t: TrainConfig, full: list[float], moe: list[bool], layer_input:
     for unit in units:
         for i in unit:
             kept[i] = 2 * layer_input * max(streams, 1) if i == unit[0] else 0.0
-    return kept, max((sum(full[i] for i in unit) for unit in units), default=0.0)
+    return kept, RECOMPUTE_WORKING_FACTOR * max((sum(full[i] for i in unit) for unit in units), default=0.0)
 
 
 ParameterGroups = tuple[list[tuple[int, int]], dict[str, tuple[int, int]]]
@@ -169,7 +173,8 @@ KDA_CHUNK = 64
 
 def _layer_bytes(m: Any, layer_number: int, tp: int) -> float:
     """Activation bytes per token a layer keeps without recompute (routed experts aside):
-    Korthikanti's ``34 h / TP``; a KDA layer replaces its 15 h of attention by
+    Korthikanti's ``34 h / TP``, for an MLA layer plus :func:`_mla_bytes` and, where the layer runs
+    its own indexer, the int64 top-k indices (``8 * topk``, on every TP rank); a KDA layer replaces its 15 h of attention by
     ``2 h + 24 W + 4 H D^2 / C`` (``W = H D``): the normalised input, q/k/v before and after the
     conv (bf16), the fp32 log decay, the delta-rule output and the output gate (bf16), the fp32
     gated-norm input, and the fp32 D x D state per chunk of C tokens and head (per token of this
@@ -180,11 +185,34 @@ def _layer_bytes(m: Any, layer_number: int, tp: int) -> float:
     ``4 N h`` more."""
     h = m.hidden_size
     streams = 4 * m.hc_mult * h if m.hc_mult else 0
-    if not model_facts.LayerPattern.of(m).is_linear_attention(layer_number):
-        return (34 * h + streams) / tp
+    pattern = model_facts.LayerPattern.of(m)
+    if not pattern.is_linear_attention(layer_number):
+        return (34 * h + _mla_bytes(m) + streams) / tp + (8 * m.dsa_indexer_topk if pattern.computes_topk(layer_number) else 0)
     heads, d = m.linear_num_key_heads, m.linear_key_head_dim
     kda = 2 * h + 24 * heads * d + 4 * heads * d * d / KDA_CHUNK
     return (19 * h + kda + streams) / tp
+
+
+def _mla_bytes(m: Any) -> float:
+    """What an absorbed MLA layer keeps beyond Korthikanti's generic attention, per token on all
+    TP ranks together: the absorbed query ``n (d_c + d_r)`` and the latent attention output
+    ``n d_c`` (bf16; ``n`` heads, ``d_c`` kv_lora_rank, ``d_r`` the rope channels), which the
+    sparse-attention backward reads. Measured on glm5_proxy at 32K tokens
+    (``scripts/bench/activation_memory.py``, docs/benchmarks.md): 18 and 16 KB per token and layer."""
+    return 2 * m.num_attention_heads * (2 * m.kv_lora_rank + m.qk_pos_emb_head_dim)
+
+
+def layer_activation_bytes(cfg: Config, layer_number: int, moe: bool) -> float:
+    """Bytes per token (of this CP rank) decoder layer ``layer_number`` (1-based) keeps for backward
+    on one rank without recompute: :func:`_layer_bytes` plus, on an MoE layer (``moe``), the routed
+    experts' ``6 * topk * moe_ffn / ETP`` intermediates."""
+    return _layer_bytes(cfg.model, layer_number, RankSizes.of(cfg).tp) + (_routed_bytes(cfg) if moe else 0.0)
+
+
+def _routed_bytes(cfg: Config) -> float:
+    """The routed experts' intermediates per token: ``6 * topk * moe_ffn / ETP``."""
+    m = cfg.model
+    return 6 * m.moe_router_topk * m.moe_ffn_hidden_size / RankSizes.of(cfg).etp
 
 
 def plan(cfg: Config, model: nn.Module) -> list[StageMemory]:
@@ -219,24 +247,27 @@ def plan_groups(cfg: Config, groups: ParameterGroups) -> list[StageMemory]:
             groups = groups + [parts["head"], parts["mtp"]] + ([parts["embedding"]] if m.mtp_num_layers and pp > 1 else [])
         dense = sum(g[0] for g in groups) / tp
         expert = sum(g[1] for g in groups) / (ep * etp)
-        full = [_layer_bytes(m, start + i + 1, tp)
-                + (6 * m.moe_router_topk * m.moe_ffn_hidden_size / etp if g[1] else 0)
+        full = [layer_activation_bytes(cfg, start + i + 1, bool(g[1]))
                 for i, g in enumerate(per_layer[start:start + count])]
-        kept, working = _recomputed(t, full, [bool(g[1]) for g in per_layer[start:start + count]],
+        mlp = [19 * m.hidden_size / tp + (_routed_bytes(cfg) if g[1] else 0.0)
+               for g in per_layer[start:start + count]]
+        kept, working = _recomputed(t, full, mlp, [bool(g[1]) for g in per_layer[start:start + count]],
                                     m.hidden_size / tp, m.hc_mult or 0)
         in_flight = min(pp - stage, micro_batches)
         dsa_layers = sum(not pattern.is_linear_attention(start + i + 1) for i in range(count))
-        activations = (sum(kept) * tokens + dsa_layers * gathered) * in_flight + working * tokens
+        activations = (sum(kept) * tokens + dsa_layers * gathered) * in_flight
         logits = 0.0
         if stage == pp - 1:
             chunk = t.loss_chunk_tokens
-            logit_tokens = min(chunk * t.micro_batch_size, tokens) if chunk else tokens
-            # the logits (bf16 + fp32 for the loss); chunked: one chunk's, the gathered hidden
-            # states the chunks recompute them from (bf16, the whole row on every TP rank) and the
-            # weight gradient's FP32 accumulator with its bf16 result (6 B per output weight)
-            logits = logit_tokens * m.vocab_size / tp * 6 + (
-                2 * m.hidden_size * tokens + 6 * m.vocab_size / tp * m.hidden_size if chunk else 0)
-            activations += logits
+            # whole: the bf16 logits and their bf16 gradient (the fused loss writes no FP32 copy);
+            # chunked: one chunk's logits (bf16 + fp32 for the loss), the gathered hidden states
+            # the chunks recompute them from (bf16, the whole row on every TP rank) and the weight
+            # gradient's FP32 accumulator with its bf16 result (6 B per output weight)
+            logits = (min(chunk * t.micro_batch_size, tokens) * m.vocab_size / tp * 6
+                      + 2 * m.hidden_size * tokens + 6 * m.vocab_size / tp * m.hidden_size if chunk
+                      else tokens * m.vocab_size / tp * 4)
+        # the loss's backward ends before the decoder's begins: the peak holds one of the two
+        activations += max(logits, working * tokens)
         stages.append(StageMemory(stage, count, (dense + expert) * wbytes / GIB, (dense + expert) * 4 / GIB,
                                   (dense * opt_dense + expert * opt_expert) / GIB, activations / GIB,
                                   logits / GIB, working * tokens / GIB))
