@@ -8,7 +8,14 @@
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
   (:mod:`kpool_layers.precision.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
   ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
-  backend; straight-through backward (fused Triton dequantization on ``torch``, :func:`dequantizer`).
+  backend. Backward (``precision.fp8_backward``): straight-through in the model dtype (fused Triton
+  dequantization on ``torch``, :func:`dequantizer`), or FP8 dgrad and wgrad GEMMs
+  (:func:`fp8_dgrad`: ``dy`` in 1x128 tiles along N times the forward's 128x128 weight blocks;
+  :func:`fp8_wgrad`: ``dy^T`` and ``x^T`` in 1x128 tiles along the tokens; DeepSeek-V3 report 3.3.2,
+  Transformer Engine ``Float8BlockScaling``), ``F.scaled_mm`` on ``torch``, FP32 GEMMs of the
+  dequantized operands on ``emulate``; each gradient rounded once to the model dtype. Error bound
+  and layouts: docs/precision.md "FP8 backward"; the routed experts keep the straight-through
+  backward (:data:`BF16_BACKWARD_ROLES`).
 * :class:`LinearNumerics` - how the linear of one role computes under a policy; the role-tagged
   linears of :mod:`kpool_layers.precision.linears` hold theirs from the build on.
 

@@ -12,6 +12,7 @@ A profile whose run fails is reported with its error and the others still run; o
     python scripts/bench/precision.py --out runs/bench_precision.json                  # H200, glm5_proxy, torch backend
     python scripts/bench/precision.py --small --out /tmp/bench_precision.json          # tiny, CPU, emulate backend
     python scripts/bench/precision.py --profiles bf16 fp8 --gpus 0 1 --out ...          # two profiles at once
+    python scripts/bench/precision.py --experiment glm5_width_h200 --profiles bf16 fp8 --out ...  # GLM-5 width
 
 Prints a table and writes JSON to ``--out``; run dirs go to ``--runs`` (default: next to --out).
 """
@@ -48,7 +49,7 @@ def _overrides(args: argparse.Namespace, profile: str) -> list[str]:
     if args.small:
         return ["model=glm5_tiny", "model.dsa_indexer_head_dim=128", "data.seq_length=128",
                 f"train.lr_warmup_steps={min(3, args.steps - 1)}", *common]
-    return ["experiment=glm5_proxy_h200", f"data.seq_length={args.seq_length}",
+    return [f"experiment={args.experiment}", f"data.seq_length={args.seq_length}",
             f"train.lr_warmup_steps={min(5, args.steps - 1)}", *common]
 
 
@@ -143,6 +144,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--small", action="store_true", help="glm5_tiny on CPU with the emulate backend")
     parser.add_argument("--steps", type=int, default=None, help="steps per profile (default 200; 6 with --small)")
     parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--experiment", default="glm5_proxy_h200",
+                        help="the experiment preset of the runs without --small (default glm5_proxy_h200)")
     parser.add_argument("--drift-interval", type=int, default=None, help="default 50; 2 with --small")
     parser.add_argument("--backend", default=None, help="FP8 backend (default torch; emulate with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 3; 1 with --small)")
