@@ -72,3 +72,7 @@ def test_runs_use_the_experiment_asked_for():
     assert bench._overrides(args, "bf16")[:2] == ["experiment=glm5_width_h200", "data.seq_length=4096"]
     assert bench._overrides(args, "fp8")[-2:] == ["x=1", "precision.backend=torch"]
     assert "--experiment" in bench.__doc__
+    variant = bench._overrides(args, "fp8_bf16_backward")
+    assert variant[:2] == ["experiment=glm5_width_h200", "data.seq_length=4096"]
+    assert "precision=fp8" in variant and "precision.fp8_backward=bf16" in variant
+    assert variant[-1] == "precision.backend=torch"
