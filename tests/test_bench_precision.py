@@ -61,3 +61,18 @@ def test_plot_merges_files_and_writes_a_png(metrics, tmp_path):
     png = tmp_path / "out.png"
     assert plot.main([str(first), str(second), "--out", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_runs_use_the_experiment_asked_for():
+    """``--experiment`` picks the preset of the runs (glm5_proxy_h200 by default), every profile
+    gets the same overrides, and the FP8 profiles the backend."""
+    bench = _script("precision")
+    args = Namespace(steps=200, seed=1, drift_interval=10, logging_mode="disabled", override=["x=1"],
+                     backend="torch", small=False, seq_length=4096, experiment="glm5_width_h200")
+    assert bench._overrides(args, "bf16")[:2] == ["experiment=glm5_width_h200", "data.seq_length=4096"]
+    assert bench._overrides(args, "fp8")[-2:] == ["x=1", "precision.backend=torch"]
+    assert "--experiment" in bench.__doc__
+    variant = bench._overrides(args, "fp8_bf16_backward")
+    assert variant[:2] == ["experiment=glm5_width_h200", "data.seq_length=4096"]
+    assert "precision=fp8" in variant and "precision.fp8_backward=bf16" in variant
+    assert variant[-1] == "precision.backend=torch"

@@ -41,7 +41,8 @@ def test_the_dry_run_lists_every_fp8_only_key_at_once() -> None:
 @pytest.mark.parametrize("overrides", [
     ["precision=fp32"], ["precision=bf16"], ["precision=fp8"], ["precision=serving_match"],
     # FP8 on: every FP8-only key is the user's to set.
-    ["precision=fp8", "precision.recipe=tensorwise", "precision.backend=emulate", "precision.scale_format=amax"],
+    ["precision=fp8", "precision.recipe=tensorwise", "precision.backend=emulate", "precision.scale_format=amax",
+     "precision.fp8_backward=bf16"],
     ["precision=bf16", "precision.fp8=true", "precision.mla_proj_disable_quantization=true"],
     # The profile's own values are not the user's: serving_match's disable switches stay.
     ["precision=serving_match", "precision.fp8=false"],

@@ -220,7 +220,7 @@ SERVING_MATCH = dict(fp8=True, dsa_indexer_qk_proj_disable_quantization=True, ml
 PROFILE_POLICIES = {
     "bf16": PrecisionPolicy(name="bf16"),
     "fp32": PrecisionPolicy(name="fp32", dtype="fp32"),
-    "fp8": PrecisionPolicy(name="fp8", fp8=True),
+    "fp8": PrecisionPolicy(name="fp8", fp8=True, fp8_backward="fp8"),
     "serving_match": PrecisionPolicy(name="serving_match", **SERVING_MATCH),
 }
 

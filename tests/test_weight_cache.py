@@ -54,7 +54,8 @@ def _micro_batches(layer: torch.nn.Module, xs: list[torch.Tensor]) -> tuple[list
 @pytest.mark.parametrize("keep_dequantized", [True, False])
 def test_a_step_quantizes_each_weight_once_with_the_same_bits(single_rank_parallel_state, monkeypatch,
                                                                keep_dequantized):
-    layer = _parallel_linear("column", _megatron_config(_profile("fp8", backend="emulate")), role="mlp.fc1")
+    layer = _parallel_linear("column", _megatron_config(_profile("fp8", backend="emulate", fp8_backward="bf16")),
+                             role="mlp.fc1")
     torch.manual_seed(0)
     xs = [torch.randn(5, 2, 128, requires_grad=True) for _ in range(3)]  # three micro-batches, [s, b, h]
     calls: Counter = Counter()
@@ -75,7 +76,8 @@ def test_nothing_stale_is_used(single_rank_parallel_state):
     """A new scope (the next step, after the optimizer) and a weight changed in place inside a
     scope both quantize and dequantize the weight as it is: output and input gradient equal those
     computed outside a scope."""
-    layer = _parallel_linear("column", _megatron_config(_profile("fp8", backend="emulate")), role="mlp.fc1")
+    layer = _parallel_linear("column", _megatron_config(_profile("fp8", backend="emulate", fp8_backward="bf16")),
+                             role="mlp.fc1")
     x = torch.randn(5, 2, 128, requires_grad=True)
 
     def run() -> list[torch.Tensor]:
@@ -106,13 +108,15 @@ def test_nothing_stale_is_used(single_rank_parallel_state):
         assert got.source is None and not weight_cache._scope.weights
 
 
-def test_a_tiny_fp8_models_step_quantizes_each_weight_once(single_rank_parallel_state, monkeypatch):
+@pytest.mark.parametrize("fp8_backward", ["bf16", "fp8"])
+def test_a_tiny_fp8_models_step_quantizes_each_weight_once(single_rank_parallel_state, monkeypatch, fp8_backward):
     """The whole glm5_tiny model, fp8 profile (emulated), two micro-batches: inside a scope every
     weight is quantized and dequantized half as often (each once), and the logits and every
-    parameter's gradient are the same bits."""
+    parameter's gradient are the same bits; with either backward (the FP8 one keeps the FP32
+    dequantized weight of its emulated dgrad, which the counter does not see as "into")."""
     from tests.test_precision_profiles import _build
 
-    _, model = _build(["precision=fp8", "precision.backend=emulate"])
+    _, model = _build(["precision=fp8", "precision.backend=emulate", f"precision.fp8_backward={fp8_backward}"])
     calls: Counter = Counter()
     _counting(monkeypatch, fp8, "quantize", calls)
     _counting(monkeypatch, fp8, "dequantize", calls)

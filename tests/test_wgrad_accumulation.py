@@ -107,11 +107,13 @@ def test_megatron_linears_accumulate_into_main_grad(single_rank_parallel_state) 
     assert plain_ops - fused_ops == 2 * 2  # two weights, two micro-batches
 
 
-def test_fp8_role_linears_accumulate_into_main_grad(single_rank_parallel_state) -> None:
+@pytest.mark.parametrize("fp8_backward", ["bf16", "fp8"])
+def test_fp8_role_linears_accumulate_into_main_grad(single_rank_parallel_state, fp8_backward: str) -> None:
     """The FP8 role linears (their own GEMM) follow the flag: ``main_grad`` bit-identical to DDP's
     add of their weight gradients (FP32 model, emulated FP8: the same dequantized products), one
-    add fewer per weight and micro-batch."""
-    policy = PrecisionPolicy(fp8=True, recipe="blockwise", backend="emulate", dtype="fp32")
+    add fewer per weight and micro-batch; with the straight-through and the FP8 backward alike."""
+    policy = PrecisionPolicy(fp8=True, recipe="blockwise", backend="emulate", dtype="fp32",
+                             fp8_backward=fp8_backward)
     fused, fused_ops = _main_grads(True, policy=policy)
     plain, plain_ops = _main_grads(False, policy=policy)
     assert all(torch.equal(a, b) for a, b in zip(fused, plain))

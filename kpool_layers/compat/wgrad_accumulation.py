@@ -95,3 +95,12 @@ def accumulate_into_main_grad(weight: torch.Tensor, total_input: torch.Tensor,
     fused(total_input, grad_output, weight.main_grad)
     weight.grad_added_to_main_grad = True
     return torch.empty_like(weight)
+
+
+def add_into_main_grad(weight: torch.Tensor, grad_weight: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad += grad_weight`` for a weight gradient already computed by its own GEMM
+    (the FP8 wgrad, ``[out_features, in_features]``), added in ``main_grad``'s dtype and marked
+    as :func:`accumulate_into_main_grad` does; returns the same placeholder gradient."""
+    weight.main_grad.add_(grad_weight)
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)

@@ -37,7 +37,7 @@ from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_p
 from kpool_layers.precision import fp8_format
 from kpool_layers.precision.fp8_format import Recipe
 from kpool_layers.precision.policy import FP8_DEQUANT, FP8_QUANT, LinearNumerics, PrecisionPolicy, Role
-from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
+from kpool_layers.precision.weight_cache import derived_weight, quantized_weight
 
 _GROUPED_MM: Callable[..., torch.Tensor] = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
 """``grouped_mm(a [T, K], b [E, K, N], offs=int32 [E]) -> [T, N]`` (public name from torch 2.10)."""
@@ -127,7 +127,7 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
         y = GROUPED_FP8.backend("triton").load().grouped_gemm(xq, xs, wq.view(e, n, k), ws.view(e, -1, ws.shape[-1]),
                                                  tokens_per_expert)
         ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
-        ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
+        ctx.kept_weight = qw if qw.derived is not None else None  # only for its kept dequantized copy
         ctx.tokens_per_expert, ctx.recipe, ctx.kernel = tokens_per_expert, recipe, kernel
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         return y.to(x.dtype)
@@ -140,7 +140,7 @@ class _GroupedQuantizedLinear(torch.autograd.Function):
         counts, e = ctx.tokens_per_expert, len(ctx.tokens_per_expert)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype, lambda: dequantize(
+            w_deq = derived_weight(ctx.kept_weight, ctx.x_dtype, lambda: dequantize(
                 wq, ws, ctx.recipe, "weight", ctx.x_dtype))
             grad_x = grouped_linear(g, w_deq.view(e, -1, wq.shape[-1]).transpose(1, 2), counts, ctx.kernel)
         if ctx.needs_input_grad[1]:

@@ -8,7 +8,14 @@
 * :func:`quantized_matmul` - ``y = x @ w.T`` with both operands quantized to e4m3 under a recipe
   (:mod:`kpool_layers.precision.fp8`), on the ``torch`` (fused Triton quantization, :func:`quantizer`, and
   ``torch._scaled_mm`` / ``F.scaled_mm``, CUDA) or ``emulate`` (quantize-dequantize, any device)
-  backend; straight-through backward (fused Triton dequantization on ``torch``, :func:`dequantizer`).
+  backend. Backward (``precision.fp8_backward``): straight-through in the model dtype (fused Triton
+  dequantization on ``torch``, :func:`dequantizer`), or FP8 dgrad and wgrad GEMMs
+  (:func:`fp8_dgrad`: ``dy`` in 1x128 tiles along N times the forward's 128x128 weight blocks;
+  :func:`fp8_wgrad`: ``dy^T`` and ``x^T`` in 1x128 tiles along the tokens; DeepSeek-V3 report 3.3.2,
+  Transformer Engine ``Float8BlockScaling``), ``F.scaled_mm`` on ``torch``, FP32 GEMMs of the
+  dequantized operands on ``emulate``; each gradient rounded once to the model dtype. Error bound
+  and layouts: docs/precision.md "FP8 backward"; the routed experts keep the straight-through
+  backward (:data:`BF16_BACKWARD_ROLES`).
 * :class:`LinearNumerics` - how the linear of one role computes under a policy; the role-tagged
   linears of :mod:`kpool_layers.precision.linears` hold theirs from the build on.
 
@@ -32,8 +39,8 @@ from kpool_layers.kernel_routes import KernelBackend, Machine, Route, needs_cuda
 from kpool_layers.precision import fp8
 from kpool_layers.precision import fp8_format
 from kpool_layers.precision.fp8_format import Recipe, ScaleFormat
-from kpool_layers.precision.weight_cache import dequantized_weight, quantized_weight
-from kpool_layers.compat.wgrad_accumulation import accumulate_into_main_grad
+from kpool_layers.precision.weight_cache import derived_weight, quantized_weight
+from kpool_layers.compat.wgrad_accumulation import accumulate_into_main_grad, add_into_main_grad
 
 class Role(str, enum.Enum):
     """The fixed set of linear roles of a GLM-5.x model."""
@@ -69,6 +76,12 @@ _KDA_PROJ_ROLES = {Role.KDA_QKV, Role.KDA_OUT}
 _NEVER_QUANTIZED = {Role.MOE_ROUTER, Role.MHC_PROJ, Role.EMBEDDING, Role.OUTPUT, Role.KDA_GATE}
 """``kda.gate`` (the rank-D forget/output gate projections and beta) feeds exp/sigmoid decays."""
 _FP32_ROLES = {Role.MOE_ROUTER, Role.MHC_PROJ}
+BF16_BACKWARD_ROLES = frozenset({Role.MOE_EXPERT_FC1, Role.MOE_EXPERT_FC2})
+"""FP8 roles whose backward stays straight-through BF16 under ``precision.fp8_backward=fp8``: the
+routed experts. Their grouped GEMMs (:mod:`kpool_layers.moe.grouped_gemm`) run over the tokens of
+all local experts stacked, and an FP8 wgrad quantizes the tokens of each expert in 1x128 tiles of
+its own, whose boundaries the stacked layout does not align to 128; megatron's per-expert
+``SequentialMLP`` linears keep the same backward, so the two expert layouts stay bit-equal."""
 
 
 class DType(enum.StrEnum):
@@ -90,6 +103,18 @@ class WeightsProjDtype(enum.StrEnum):
     bf16 = "bf16"
     inherit = "inherit"
     """The model's dtype."""
+
+
+class Fp8Backward(enum.StrEnum):
+    """What the backward of an FP8 linear computes (``precision.fp8_backward``)."""
+
+    bf16 = "bf16"
+    """Straight-through: ``dx = dy @ Q(w)``, ``dw = dy^T @ Q(x)`` as GEMMs in the model dtype (BF16; FP32
+    under ``precision.dtype=fp32``) of the forward's dequantized operands, ``dy`` unquantized."""
+    fp8 = "fp8"
+    """FP8 dgrad and wgrad GEMMs (``blockwise`` only): ``dx = Q(dy) @ Q(w)`` with ``dy`` in 1x128 tiles
+    along N and the forward's 128x128 weight blocks; ``dw = Q(dy^T) @ Q(x^T)^T`` with both operands
+    in 1x128 tiles along the tokens (:func:`fp8_dgrad`, :func:`fp8_wgrad`)."""
 
 
 class Backend(enum.StrEnum):
@@ -133,6 +158,8 @@ class PrecisionPolicy:
     """Keep the indexer head-weights projection unquantized."""
     dsa_indexer_k_norm_fp32: bool = False
     """Compute the indexer key LayerNorm in FP32."""
+    fp8_backward: Fp8Backward = Fp8Backward.bf16
+    """What the FP8 linears' backward computes (:class:`Fp8Backward`); ``fp8`` needs ``recipe=blockwise``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -148,6 +175,12 @@ class PrecisionPolicy:
                 "precision.dsa_indexer_weights_proj_dtype=fp32 with precision.fp8=true needs "
                 "precision.dsa_indexer_weights_proj_disable_quantization=true (an FP32 projection "
                 "cannot also be an FP8 GEMM)"
+            )
+        if self.fp8 and self.fp8_backward == Fp8Backward.fp8 and self.recipe != Recipe.blockwise:
+            raise ValueError(
+                f"precision.fp8_backward=fp8 with precision.recipe={self.recipe.value} is not supported; "
+                "allowed: precision.recipe=blockwise (the FP8 dgrad/wgrad GEMMs are blockwise) or "
+                "precision.fp8_backward=bf16"
             )
 
     @classmethod
@@ -173,6 +206,12 @@ class PrecisionPolicy:
         if role is Role.INDEXER_WEIGHTS:
             return not self.dsa_indexer_weights_proj_disable_quantization
         return True
+
+    def fp8_backward_gemms(self, role: Role | str) -> bool:
+        """Whether the linear of ``role`` runs FP8 dgrad / wgrad GEMMs: quantized, under
+        ``fp8_backward=fp8``, and not a routed expert (:data:`BF16_BACKWARD_ROLES`)."""
+        role = Role(role)
+        return self.quantized(role) and self.fp8_backward == Fp8Backward.fp8 and role not in BF16_BACKWARD_ROLES
 
     def compute_dtype(self, role: Role | str, params_dtype: torch.dtype) -> torch.dtype:
         """The dtype the linear of ``role`` computes in (inputs and output; an FP8 GEMM's
@@ -290,14 +329,84 @@ def _scaled_mm(
         sb = _pad_to(ws.reshape(n, 1), np_, 1, value=1.0).reshape(1, np_).contiguous()
         out = torch._scaled_mm(a, mat_b, sa, sb, out_dtype=torch.bfloat16)
     else:
-        F = torch.nn.functional
-        sa = _pad_to(xs, mp, kp // fp8_format.BLOCK, value=1.0).t().contiguous().t()  # [Mp, Kp/128] col-major
-        sb = _pad_to(ws, np_ // fp8_format.BLOCK, _ceil(kp // fp8_format.BLOCK, 4), value=1.0)
-        out = F.scaled_mm(
-            a, mat_b, sa, F.ScalingType.BlockWise1x128, sb.t(), F.ScalingType.BlockWise128x128,
-            output_dtype=torch.bfloat16,
-        )
+        out = _blockwise_scaled_mm(a, xs, mat_b, ws, "weight")
     return out[:m, :n]
+
+
+def _blockwise_scaled_mm(
+    a: torch.Tensor, sa: torch.Tensor, mat_b: torch.Tensor, sb: torch.Tensor, b_operand: str
+) -> torch.Tensor:
+    """``F.scaled_mm`` of ``a [Mp, Kp]`` e4m3 row-major with 1x128 scales ``sa [M', Kp/128]``
+    (``M' <= Mp``: rows of scales for the unpadded rows, padded here with 1.0) by ``mat_b
+    [Kp, Np]`` e4m3 column-major (the transpose of a row-major ``[Np, Kp]``), M, K, N multiples of
+    128 -> BF16 ``[Mp, Np]``, FP32 accumulation. ``b_operand="weight"``: ``sb [N'/128, Kp/128]``
+    128x128 block scales (BlockWise128x128, passed as ``[ceil4(Kp/128), Np/128]`` column-major);
+    ``"activation"``: ``sb [N', Kp/128]`` 1x128 scales along K (BlockWise1x128, passed as
+    ``[Np, Kp/128]`` column-major), the layouts of torch's own ``scaled_mm`` OpInfo samples."""
+    F = torch.nn.functional
+    mp, kp = a.shape
+    np_ = mat_b.shape[1]
+    kb = kp // fp8_format.BLOCK
+    sa = _pad_to(sa, mp, kb, value=1.0).t().contiguous().t()  # [Mp, Kp/128] column-major
+    if b_operand == "weight":
+        sb = _pad_to(sb, np_ // fp8_format.BLOCK, _ceil(kb, 4), value=1.0).contiguous().t()
+        recipe_b = F.ScalingType.BlockWise128x128
+    else:
+        sb = _pad_to(sb, np_, kb, value=1.0).t().contiguous().t()  # [Np, Kp/128] column-major
+        recipe_b = F.ScalingType.BlockWise1x128
+    return F.scaled_mm(a, mat_b, sa, F.ScalingType.BlockWise1x128, sb, recipe_b, output_dtype=torch.bfloat16)
+
+
+def _blockwise_gemm(
+    aq: torch.Tensor, sa: torch.Tensor, bq: torch.Tensor, sb: torch.Tensor, b_operand: str, backend: str
+) -> torch.Tensor:
+    """``Q(a) @ Q(b).T`` of e4m3 ``aq [M, K]`` (1x128 tiles along K, scales ``sa``) and ``bq [N, K]``
+    (``b_operand``: ``"weight"`` 128x128 blocks or ``"activation"`` 1x128 tiles along K, scales
+    ``sb``) -> ``[M, N]``: ``torch`` BF16 from ``F.scaled_mm`` (zero-padded to multiples of 128,
+    as :func:`_scaled_mm`), ``emulate`` FP32 from the FP32 GEMM of the dequantized operands."""
+    if backend != "torch":
+        return (fp8.dequantize(aq, sa, Recipe.blockwise, "activation")
+                @ fp8.dequantize(bq, sb, Recipe.blockwise, b_operand).t())
+    m, k = aq.shape
+    n = bq.shape[0]
+    if m == 0 or n == 0 or k == 0:
+        return aq.new_zeros((m, n), dtype=torch.bfloat16)
+    mp, kp, np_ = (_ceil(d, fp8_format.BLOCK) for d in (m, k, n))
+    a = _pad_to(aq.contiguous(), mp, kp)
+    mat_b = _pad_to(bq.contiguous(), np_, kp).t()
+    return _blockwise_scaled_mm(a, sa, mat_b, sb, b_operand)[:m, :n]
+
+
+def fp8_dgrad(
+    grad_q: torch.Tensor, grad_scale: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor, backend: str,
+    wq_t: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """FP8 input gradient ``dx = Q(dy) @ Q(w)`` -> ``[M, K]`` (BF16 on ``torch``, FP32 on ``emulate``).
+
+    ``grad_q [M, N]`` / ``grad_scale [M, ceil(N/128)]``: ``dy`` quantized in 1x128 tiles along N (the
+    reduction dim; :func:`fp8.quantize` ``"activation"``); ``wq [N, K]`` / ``ws [ceil(N/128),
+    ceil(K/128)]``: the forward's weight, 128x128 blocks, which are also the blocks of ``w^T``
+    (``ws.T``). ``emulate`` multiplies ``dequantize(dy) [M, N] @ dequantize(w) [N, K]`` in FP32;
+    ``torch`` runs ``F.scaled_mm`` BlockWise1x128 x BlockWise128x128 on ``dy`` by ``w^T``'s e4m3
+    bytes made row-major (``wq_t [K, N]``, ``wq.t().contiguous()`` unless given: the weight cache
+    keeps it for the step)."""
+    if backend != "torch":
+        return fp8.dequantize(grad_q, grad_scale, Recipe.blockwise, "activation") @ fp8.dequantize(
+            wq, ws, Recipe.blockwise, "weight")
+    return _blockwise_gemm(grad_q, grad_scale, wq.t().contiguous() if wq_t is None else wq_t, ws.t(),
+                           "weight", backend)
+
+
+def fp8_wgrad(
+    grad_t_q: torch.Tensor, grad_t_scale: torch.Tensor, x_t_q: torch.Tensor, x_t_scale: torch.Tensor, backend: str
+) -> torch.Tensor:
+    """FP8 weight gradient ``dw = Q(dy^T) @ Q(x^T)^T`` -> ``[N, K]`` (BF16 on ``torch``, FP32 on
+    ``emulate``): ``grad_t_q [N, M]`` / ``grad_t_scale [N, ceil(M/128)]`` is ``dy^T`` and ``x_t_q
+    [K, M]`` / ``x_t_scale [K, ceil(M/128)]`` is ``x^T``, both quantized in 1x128 tiles along the M
+    tokens (the reduction dim; :func:`fp8.quantize` ``"activation"`` of the transposes).
+    ``emulate``: ``dequantize(dy^T) @ dequantize(x^T).T`` in FP32; ``torch``: ``F.scaled_mm``
+    BlockWise1x128 x BlockWise1x128 (M zero-padded to a multiple of 128: zero tokens add nothing)."""
+    return _blockwise_gemm(grad_t_q, grad_t_scale, x_t_q, x_t_scale, "activation", backend)
 
 
 def _quant_triton() -> ModuleType:
@@ -355,16 +464,23 @@ def dequantizer(backend: str, q: torch.Tensor) -> Callable[..., torch.Tensor]:
 
 
 class _QuantizedMatmul(torch.autograd.Function):
-    """``y = Q(x) @ Q(w).T``; backward straight-through: ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)``
-    computed in ``x``'s dtype from the operands kept as e4m3 + scales, dequantized straight into
-    that dtype (:func:`dequantizer`); inside :func:`kpool_layers.precision.weight_cache.step_scope` the
-    weight's e4m3 and dequantized forms are kept for the step's later micro-batches. With
-    ``accumulate_wgrad`` ``dw`` goes straight into ``w.main_grad``
+    """``y = Q(x) @ Q(w).T``. Backward, ``fp8_backward=False`` (straight-through, BF16):
+    ``dx = dy @ Q(w)``, ``dw = dy.T @ Q(x)`` computed in ``x``'s dtype from the operands kept as
+    e4m3 + scales, dequantized straight into that dtype (:func:`dequantizer`).
+    ``fp8_backward=True`` (``blockwise``): ``dx`` = :func:`fp8_dgrad` of ``dy`` quantized in 1x128
+    tiles along N and the forward's e4m3 weight, ``dw`` = :func:`fp8_wgrad` of ``dy^T`` and ``x^T``
+    quantized in 1x128 tiles along the tokens (``x^T`` quantized from ``x`` in the forward and kept
+    instead of the forward's ``Q(x)``: the same bytes per element), each rounded once to ``x``'s
+    dtype. Inside :func:`kpool_layers.precision.weight_cache.step_scope` the weight's e4m3 form and
+    its backward operand (the dequantized copy; for the FP8 dgrad on ``torch`` the transposed e4m3
+    bytes, on ``emulate`` the FP32 dequantized copy) are kept for the step's later micro-batches.
+    With ``accumulate_wgrad`` ``dw`` goes straight into ``w.main_grad``
     (:func:`kpool_layers.compat.wgrad_accumulation.accumulate_into_main_grad`: FP32 accumulation, the
-    product not rounded to ``x``'s dtype)."""
+    product not rounded to ``x``'s dtype; the FP8 wgrad's product, already in ``x``'s dtype, through
+    :func:`kpool_layers.compat.wgrad_accumulation.add_into_main_grad`)."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe, backend, scale_format, accumulate_wgrad):  # noqa: ANN001, ANN205
+    def forward(ctx, x, w, recipe, backend, scale_format, accumulate_wgrad, fp8_backward):  # noqa: ANN001, ANN205
         x2 = x.reshape(-1, x.shape[-1])
         quantize = quantizer(backend, x)
         xq, xs = quantize(x2, recipe, "activation", scale_format)
@@ -374,21 +490,26 @@ class _QuantizedMatmul(torch.autograd.Function):
             y = _scaled_mm(xq, xs, wq, ws, recipe)
         else:
             y = fp8.dequantize(xq, xs, recipe, "activation") @ fp8.dequantize(wq, ws, recipe, "weight").t()
+        if fp8_backward:  # the wgrad's x^T in 1x128 tiles along the tokens, in place of Q(x)
+            xq, xs = quantize(x2.t(), recipe, "activation", scale_format) if ctx.needs_input_grad[1] else (None, None)
         ctx.save_for_backward(xq, xs, wq, ws)  # freed once the backward ran; the node keeps a weight
-        ctx.kept_weight = qw if qw.dequantized is not None else None  # only for its kept dequantized copy
+        ctx.kept_weight = qw if qw.derived is not None else None  # only for its kept backward operand
         ctx.recipe, ctx.backend, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, backend, x.shape, x.dtype, w.dtype
+        ctx.scale_format, ctx.fp8_backward = scale_format, fp8_backward
         ctx.weight = w if accumulate_wgrad else None
         return y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        if ctx.fp8_backward:
+            return _QuantizedMatmul._fp8_backward(ctx, grad_out)
         xq, xs, wq, ws = ctx.saved_tensors
         g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
         dequantize = dequantizer(ctx.backend, xq)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            w_deq = dequantized_weight(ctx.kept_weight, ctx.x_dtype,
-                                       lambda: dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype))
+            w_deq = derived_weight(ctx.kept_weight, ctx.x_dtype,
+                                   lambda: dequantize(wq, ws, ctx.recipe, "weight", ctx.x_dtype))
             grad_x = (g @ w_deq).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             x_deq = dequantize(xq, xs, ctx.recipe, "activation", ctx.x_dtype)
@@ -396,23 +517,49 @@ class _QuantizedMatmul(torch.autograd.Function):
                 grad_w = accumulate_into_main_grad(ctx.weight, x_deq, g)
             else:
                 grad_w = (g.t() @ x_deq).to(ctx.w_dtype)
-        return grad_x, grad_w, None, None, None, None
+        return grad_x, grad_w, None, None, None, None, None
+
+    @staticmethod
+    def _fp8_backward(ctx, grad_out):  # noqa: ANN001, ANN205
+        """The FP8 dgrad and wgrad (class docstring)."""
+        x_t_q, x_t_s, wq, ws = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.x_dtype)
+        quantize = quantizer(ctx.backend, g)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gq, gs = quantize(g, Recipe.blockwise, "activation", ctx.scale_format)
+            if ctx.backend == "torch":
+                wq_t = derived_weight(ctx.kept_weight, "e4m3_t", lambda: wq.t().contiguous())
+                dx = fp8_dgrad(gq, gs, wq, ws, ctx.backend, wq_t)
+            else:
+                w_deq = derived_weight(ctx.kept_weight, torch.float32,
+                                       lambda: fp8.dequantize(wq, ws, Recipe.blockwise, "weight"))
+                dx = fp8.dequantize(gq, gs, Recipe.blockwise, "activation") @ w_deq
+            grad_x = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            gtq, gts = quantize(g.t(), Recipe.blockwise, "activation", ctx.scale_format)
+            dw = fp8_wgrad(gtq, gts, x_t_q, x_t_s, ctx.backend).to(ctx.x_dtype)
+            grad_w = add_into_main_grad(ctx.weight, dw) if ctx.weight is not None else dw.to(ctx.w_dtype)
+        return grad_x, grad_w, None, None, None, None, None
 
 
 def quantized_matmul(
     x: torch.Tensor, w: torch.Tensor, recipe: str, backend: str, scale_format: str = "ue8m0",
-    accumulate_wgrad: bool = False,
+    accumulate_wgrad: bool = False, fp8_backward: bool = False,
 ) -> torch.Tensor:
     """``x [..., K] @ w[N, K].T -> [..., N]`` (x's dtype) with both operands e4m3-quantized under
     ``recipe``; ``backend`` is ``torch`` (CUDA FP8 GEMM) or ``emulate`` (FP32 GEMM of the
-    dequantized operands). Differentiable (straight-through, see :class:`_QuantizedMatmul`);
+    dequantized operands). Differentiable (see :class:`_QuantizedMatmul`): straight-through in
+    ``x``'s dtype, or with ``fp8_backward`` (``recipe="blockwise"`` only) FP8 dgrad and wgrad GEMMs;
     ``accumulate_wgrad``: ``w`` is a parameter with megatron DDP's ``main_grad``, which receives
     the weight gradient directly."""
     _member(Recipe, "recipe", recipe)
     _member(ScaleFormat, "scale_format", scale_format)
     if backend not in (Backend.torch, Backend.emulate):
         raise ValueError(f"quantized_matmul runs precision.backend='torch' or 'emulate', got {backend!r}")
-    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format, accumulate_wgrad)
+    if fp8_backward and recipe != Recipe.blockwise:
+        raise ValueError(f"precision.fp8_backward=fp8 runs precision.recipe='blockwise', got {recipe!r}")
+    return _QuantizedMatmul.apply(x, w, recipe, backend, scale_format, accumulate_wgrad, fp8_backward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,6 +597,17 @@ class LinearNumerics:
         """Whether the linear runs as an FP8 GEMM."""
         return self.note is None and self.policy.quantized(self.role)
 
+    @property
+    def fp8_backward(self) -> bool:
+        """Whether the FP8 GEMM's backward runs FP8 dgrad / wgrad GEMMs (:class:`Fp8Backward`)."""
+        return self.note is None and self.policy.fp8_backward_gemms(self.role)
+
+    def backward(self, weight_dtype: torch.dtype) -> str:
+        """What the backward GEMMs compute in, for the precision map: ``"fp8"`` (FP8 dgrad and
+        wgrad) or the dtype of the GEMMs (e.g. ``"bfloat16"``; straight-through from the
+        dequantized operands for an FP8 forward)."""
+        return "fp8" if self.fp8_backward else str(self.dtype(weight_dtype)).removeprefix("torch.")
+
     def dtype(self, weight_dtype: torch.dtype) -> torch.dtype:
         """The dtype the linear computes in, for a weight of ``weight_dtype``."""
         if self.note is not None:
@@ -475,5 +633,5 @@ class LinearNumerics:
         if self.quantized:
             accumulate = self.accumulate_wgrad and dtype == w.dtype and hasattr(w, "main_grad")
             return quantized_matmul(x.to(dtype), w.to(dtype), self.policy.recipe, self.backend,
-                                    self.policy.scale_format, accumulate)
+                                    self.policy.scale_format, accumulate, self.fp8_backward)
         return x.to(dtype) @ w.to(dtype).t()

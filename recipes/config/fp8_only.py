@@ -1,8 +1,8 @@
 """``precision.*`` keys that only change FP8 GEMMs, refused when the run has none.
 
 Under ``precision.fp8=false`` no linear is quantized (:meth:`PrecisionPolicy.quantized` is False
-for every role), so the FP8 recipe, the FP8 GEMM backend and the per-role "keep unquantized"
-switches do nothing; ``scale_format`` also sets the serving-quantized index scoring and so matters
+for every role), so the FP8 recipe, the FP8 GEMM backend, the FP8 backward (``fp8_backward``) and the per-role
+"keep unquantized" switches do nothing; ``scale_format`` also sets the serving-quantized index scoring and so matters
 without FP8 when ``precision.dsa_indexer_kpool_use_quantization=true``. Such a key set to another
 value than its profile's (``conf/precision/<precision.name>.yaml``, else the schema default) was
 accepted and ignored; :func:`check_fp8_only_keys` makes it a
@@ -22,7 +22,7 @@ from recipes.config.groups import CONF_DIR, group_options
 from recipes.config.schema import ConfigError
 
 FP8_ONLY = ("recipe", "backend", "scale_format", "dsa_indexer_qk_proj_disable_quantization",
-            "mla_proj_disable_quantization", "dsa_indexer_weights_proj_disable_quantization")
+            "mla_proj_disable_quantization", "dsa_indexer_weights_proj_disable_quantization", "fp8_backward")
 """The ``precision.*`` fields read only by FP8 GEMMs (``scale_format``: unless the index scoring
 is serving-quantized)."""
 

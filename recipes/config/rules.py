@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 
 from kpool_layers import model_facts
 from kpool_layers.moe.grouped_gemm import FP8_RECIPES
-from kpool_layers.precision.policy import WeightsProjDtype, available_backends
+from kpool_layers.precision.fp8_format import Recipe
+from kpool_layers.precision.policy import Fp8Backward, WeightsProjDtype, available_backends
 from recipes.config import recompute
 from recipes.config.fp8_only import check_fp8_only_keys
 from recipes.config.keys import check_config_keys
@@ -374,6 +375,10 @@ def _validate_precision(cfg: DictConfig) -> None:
                  "model.moe_grouped_gemm", True,
                  f"false with precision.fp8=true and precision.recipe={pr.recipe.value} (grouped FP8 experts "
                  f"run precision.recipe in {[r.value for r in FP8_RECIPES]})")
+    _require(not (pr.fp8 and pr.fp8_backward is Fp8Backward.fp8 and pr.recipe is not Recipe.blockwise),
+             "precision.fp8_backward", pr.fp8_backward.value,
+             f"['bf16'] with precision.recipe={pr.recipe.value} (['bf16', 'fp8'] with "
+             "precision.recipe=blockwise: the FP8 dgrad/wgrad GEMMs are blockwise)")
     if (pr.fp8 and pr.dsa_indexer_weights_proj_dtype is WeightsProjDtype.fp32
             and not pr.dsa_indexer_weights_proj_disable_quantization):
         _fail(ConfigError("precision.dsa_indexer_weights_proj_disable_quantization", False,

@@ -304,7 +304,7 @@ class FP8WeightCache(str, Enum):
 
     none = "none"  # every micro-batch quantizes and dequantizes every weight
     fp8 = "fp8"  # the e4m3 weights and scales: no more peak memory
-    dequantized = "dequantized"  # also the dequantized copy: 2 bytes per FP8 weight element more at the peak
+    dequantized = "dequantized"  # also the backward's weight operand: 2 bytes (bf16 copy) or 1 (FP8 backward) per element
 
 
 @dataclass

@@ -9,7 +9,7 @@ role-tagged class that holds its role's numerics (``kpool_layers.precision.linea
 * :func:`route_rows` - one row per kernel route (:mod:`kpool_layers.kernel_routes`): the chosen
   backend and why the preferred ones declined; :func:`kernel_rows` appends them to the DSA rows.
 * :func:`precision_map` / :func:`precision_rows` / :func:`report_precision` - the map (one row per
-  linear: ``module``, ``role``, ``quantized``, ``dtype``, ``backend``, ``note``) from each module's
+  linear: ``module``, ``role``, ``quantized``, ``dtype``, ``backend``, ``backward``, ``note``) from each module's
   ``role`` and ``numerics``, printed, saved as ``<run dir>/precision_map.json`` and put in the
   wandb config.
 
@@ -91,6 +91,7 @@ def _row(module: str, numerics: Optional[LinearNumerics], weight_dtype: torch.dt
         "quantized": quantized,
         "dtype": str(numerics.dtype(weight_dtype) if numerics else weight_dtype).removeprefix("torch."),
         "backend": backend if quantized else "none",
+        "backward": numerics.backward(weight_dtype) if numerics else str(weight_dtype).removeprefix("torch."),
         "note": numerics.note if numerics else NO_ROLE_NOTE,
     }
 
@@ -100,7 +101,8 @@ def precision_rows(model: torch.nn.Module, backend: str) -> list[dict[str, Any]]
     ``nn.Linear``, embedding, router), per stacked weight of grouped experts
     (``<experts>.weight1`` / ``.weight2``) and per mHC projection (``<attn_hc|ffn_hc>.fn``) with ``module`` (wrapper prefixes removed), ``role`` (or
     None), ``quantized``, ``dtype`` (e.g. ``"bfloat16"``), ``backend`` (``backend`` for quantized
-    rows, else ``"none"``) and ``note`` (why the linear's forward does not compute its role, else
+    rows, else ``"none"``), ``backward`` (what the backward GEMMs compute in: ``"fp8"`` for FP8
+    dgrad / wgrad, else their dtype, straight-through for FP8 rows) and ``note`` (why the linear's forward does not compute its role, else
     None), from the module's ``role`` and ``numerics``."""
     rows = []
     for name, module in model.named_modules():
@@ -165,13 +167,14 @@ def format_rows(rows: list[dict[str, Any]]) -> list[str]:
     groups: dict[tuple, int] = {}
     for r in rows:
         key = (r["role"] or re.sub(r"\.\d+\.", ".N.", r["module"]), r["quantized"], r["dtype"],
-               r["backend"], r["note"])
+               r["backend"], r.get("backward"), r["note"])
         groups[key] = groups.get(key, 0) + 1
     lines = []
-    for (role, quantized, dtype, backend, note), n in groups.items():
+    for (role, quantized, dtype, backend, backward, note), n in groups.items():
         kind = (f"kernel {backend}" if str(role).startswith(("kernel.", "route."))
                 else f"FP8 ({backend})" if quantized else "unquantized")
-        lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}" + (f"  [{note}]" if note else ""))
+        bwd = f"  bwd {backward}" if quantized else ""
+        lines.append(f"  {role:<20} x{n:<6} {kind:<16} {dtype}{bwd}" + (f"  [{note}]" if note else ""))
     return lines
 
 

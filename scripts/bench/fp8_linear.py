@@ -8,7 +8,9 @@ median milliseconds (``triton.testing.do_bench``) of:
 * ``bf16``: forward + backward of ``x @ w.T`` in bf16 (three cuBLAS GEMMs: y, dx, dw);
 * ``fp8``: forward + backward of :func:`kpool_layers.precision.policy.quantized_matmul` (blockwise,
   ue8m0, ``torch`` backend), what the fp8 profile's linears run: the forward is an FP8 GEMM, the
-  backward two bf16 GEMMs on the dequantized operands;
+  backward two bf16 GEMMs on the dequantized operands (``precision.fp8_backward=bf16``);
+* ``fp8_bwd``: the same with ``fp8_backward=True``, the fp8 profile's linears: FP8 dgrad and wgrad
+  GEMMs too (``dy`` quantized twice, ``x^T`` once more in the forward);
   both replayed as a CUDA graph, as the training step with ``train.cuda_graph_impl=full_iteration``
   runs them (eagerly the host's launches take longer than these GPU times at this size);
 * its parts: ``quant_x`` / ``quant_w`` (fused quantization), ``scaled_mm`` (the forward FP8 GEMM
@@ -102,6 +104,7 @@ def case(m: int, k: int, n: int) -> dict[str, Any]:
 
     out["bf16"] = do_bench(fwd_bwd(lambda: x @ w.t()))
     out["fp8"] = do_bench(fwd_bwd(lambda: quantized_matmul(x, w, "blockwise", "torch")))
+    out["fp8_bwd"] = do_bench(fwd_bwd(lambda: quantized_matmul(x, w, "blockwise", "torch", fp8_backward=True)))
     quantize, dequantize = quantizer("torch", x), dequantizer("torch", x)
     xd, wd = x.detach(), w.detach()
     xq, xs = quantize(xd, "blockwise", "activation")
@@ -137,12 +140,13 @@ def main() -> None:
     out_path, overrides, cfg = out_and_config(__doc__)
     m = cfg.train.micro_batch_size * cfg.data.seq_length
     results = {name: case(m, k, n) for name, (k, n) in linear_shapes(cfg.model).items()}
-    cols = ["bf16", "fp8", "quant_x", "quant_w", "scaled_mm", "dequant_x", "dequant_w", "mm_dx", "mm_dw",
+    cols = ["bf16", "fp8", "fp8_bwd", "quant_x", "quant_w", "scaled_mm", "dequant_x", "dequant_w", "mm_dx", "mm_dw",
             "fp8_gemm_bound"]
-    print(f"{'linear':20s} {'M,K,N':>17s} " + " ".join(f"{c:>9s}" for c in cols) + "  fp8/bf16")
+    print(f"{'linear':20s} {'M,K,N':>17s} " + " ".join(f"{c:>9s}" for c in cols) + "  fp8/bf16 fp8_bwd/bf16")
     for name, r in results.items():
         vals = " ".join(f"{r[c]:9.4f}" if r[c] is not None else f"{'-':>9s}" for c in cols)
         print(f"{name:20s} {r['M']:>5d},{r['K']:>5d},{r['N']:>5d} {vals}  {r['fp8'] / r['bf16']:.2f}"
+              f" {r['fp8_bwd'] / r['bf16']:.2f}"
               + ("" if r.get("wgrad_fp8", True) is True else f"  wgrad: {r['wgrad_fp8']}"))
     total = {c: sum(r[c] or 0.0 for r in results.values()) for c in cols}
     print("sum of one layer's linears: " + " ".join(f"{c}={v:.3f}" for c, v in total.items()))

@@ -12,6 +12,8 @@ A profile whose run fails is reported with its error and the others still run; o
     python scripts/bench/precision.py --out runs/bench_precision.json                  # H200, glm5_proxy, torch backend
     python scripts/bench/precision.py --small --out /tmp/bench_precision.json          # tiny, CPU, emulate backend
     python scripts/bench/precision.py --profiles bf16 fp8 --gpus 0 1 --out ...          # two profiles at once
+    python scripts/bench/precision.py --experiment glm5_width_h200 --profiles bf16 fp8 fp8_bf16_backward \
+        --gpus 0 1 2 --out ...                     # GLM-5 width; fp8 with and without the FP8 backward
 
 Prints a table and writes JSON to ``--out``; run dirs go to ``--runs`` (default: next to --out).
 """
@@ -32,13 +34,17 @@ from recipes.config.schema import DriftConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ("bf16", "fp8", "serving_match")
+VARIANTS = {"fp8_bf16_backward": ("fp8", ["precision.fp8_backward=bf16"])}
+"""Runs ``--profiles`` also accepts beside the profiles: a profile with overrides (the fp8 profile
+with its backward in BF16, straight-through, to compare the FP8 backward with)."""
 DEFAULT_DRIFT_INTERVAL = DriftConfig().interval
 """The default ``precision.drift.interval``: the drift overhead is also reported per step at it."""
 
 
 def _overrides(args: argparse.Namespace, profile: str) -> list[str]:
+    profile, variant = VARIANTS.get(profile, (profile, []))
     common = [
-        f"precision={profile}", f"train.steps={args.steps}", f"train.seed={args.seed}",
+        f"precision={profile}", *variant, f"train.steps={args.steps}", f"train.seed={args.seed}",
         f"precision.drift.interval={args.drift_interval}", "precision.drift.reference=serving",
         f"logging.mode={args.logging_mode}", "train.resume=none", "train.save_final=false",
         *args.override,
@@ -48,7 +54,7 @@ def _overrides(args: argparse.Namespace, profile: str) -> list[str]:
     if args.small:
         return ["model=glm5_tiny", "model.dsa_indexer_head_dim=128", "data.seq_length=128",
                 f"train.lr_warmup_steps={min(3, args.steps - 1)}", *common]
-    return ["experiment=glm5_proxy_h200", f"data.seq_length={args.seq_length}",
+    return [f"experiment={args.experiment}", f"data.seq_length={args.seq_length}",
             f"train.lr_warmup_steps={min(5, args.steps - 1)}", *common]
 
 
@@ -143,11 +149,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--small", action="store_true", help="glm5_tiny on CPU with the emulate backend")
     parser.add_argument("--steps", type=int, default=None, help="steps per profile (default 200; 6 with --small)")
     parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--experiment", default="glm5_proxy_h200",
+                        help="the experiment preset of the runs without --small (default glm5_proxy_h200)")
     parser.add_argument("--drift-interval", type=int, default=None, help="default 50; 2 with --small")
     parser.add_argument("--backend", default=None, help="FP8 backend (default torch; emulate with --small)")
     parser.add_argument("--warmup", type=int, default=None, help="steps left out of the timing (default 3; 1 with --small)")
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=PROFILES)
+    parser.add_argument("--profiles", nargs="+", default=list(PROFILES), choices=[*PROFILES, *VARIANTS])
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds per profile run; a run stopped by it is summarised over its finished steps")
     parser.add_argument("--logging-mode", default="disabled", choices=("disabled", "offline", "online"),
