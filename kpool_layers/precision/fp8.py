@@ -63,6 +63,7 @@ Numerics, step by step, with sources
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import torch
@@ -115,8 +116,12 @@ def quantize(
     if operand == "weight" and x.dim() != 2:
         raise ValueError(f"weight operand must be 2-D [N, K], got shape {tuple(x.shape)}")
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    tile = tile_shape(recipe, operand, x2.shape[0], k)
+    rows = math.prod(x.shape[:-1])
+    tile = tile_shape(recipe, operand, rows, k)
+    if x.numel() == 0:  # no rows or no columns (an empty micro batch's transpose): no tiles
+        grid = (-(-rows // tile[0]), -(-k // tile[1]))
+        return torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device), x.new_ones(grid, dtype=torch.float32)
+    x2 = x.reshape(rows, k)
     tiles = _tiled(x2.float(), tile)
     scale = compute_scale(tiles.abs().amax(dim=(1, 3)), scale_format)
     q = cast_e4m3(tiles, scale[:, None, :, None])
@@ -131,6 +136,8 @@ def dequantize(
     ``out_dtype`` -> ``q``'s shape. The fused kernel
     (:mod:`kpool_layers.kernels.fp8_dequant_triton`) returns the same bits."""
     k = q.shape[-1]
+    if q.numel() == 0:
+        return torch.empty(q.shape, dtype=out_dtype, device=q.device)
     q2 = q.reshape(-1, k)
     tile = tile_shape(recipe, operand, q2.shape[0], k)
     tiles = _tiled(q2.float(), tile) * scale[:, None, :, None]
