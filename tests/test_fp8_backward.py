@@ -192,6 +192,19 @@ def test_main_grad_accumulation_and_the_weight_cache_give_the_same_bits():
         assert set(kept.derived) == {torch.float32}  # emulate's dgrad operand: the FP32 dequantized weight
 
 
+def test_an_empty_micro_batch_through_the_fp8_backward():
+    """No tokens: the forward quantizes ``x^T [K, 0]`` for the wgrad; the product is empty, the input
+    gradient empty and the weight gradient zero (the empty sum), on the emulate backend."""
+    x = torch.randn(0, 256, requires_grad=True)
+    w = torch.randn(128, 256, requires_grad=True)
+    q, scale = fp8.quantize(x.detach().t(), "blockwise", "activation")
+    assert q.shape == (256, 0) and q.dtype == torch.float8_e4m3fn and scale.shape == (256, 0)
+    assert fp8.dequantize(q, scale, "blockwise", "activation").shape == (256, 0)
+    y = quantized_matmul(x, w, "blockwise", "emulate", fp8_backward=True)
+    y.sum().backward()
+    assert y.shape == (0, 128) and x.grad.shape == (0, 256) and torch.equal(w.grad, torch.zeros_like(w))
+
+
 def test_fp8_backward_needs_blockwise():
     with pytest.raises(ValueError, match="precision.fp8_backward"):
         quantized_matmul(torch.zeros(2, 16), torch.zeros(4, 16), "rowwise", "emulate", fp8_backward=True)

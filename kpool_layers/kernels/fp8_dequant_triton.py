@@ -21,6 +21,8 @@ tensorwise rows).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -64,8 +66,8 @@ def dequantize(
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype={out_dtype} is not supported; allowed: {list(OUT_DTYPES)}")
     k = q.shape[-1]
-    q2 = q.reshape(-1, k)
-    m = q2.shape[0]
+    m = math.prod(q.shape[:-1])
+    q2 = q.reshape(m, k)
     tr, tc = fp8_format.tile_shape(recipe, operand, m, k)
     expected = (triton.cdiv(m, tr), triton.cdiv(k, tc))
     if tuple(scale.shape) != expected or scale.dtype != torch.float32:

@@ -26,6 +26,7 @@ scale from the amax buffer (tensorwise: ``AMAX`` then ``GLOBAL``).
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -115,12 +116,12 @@ def quantize(
     if scale_format not in fp8_format.SCALE_FORMATS:
         raise ValueError(f"scale_format={scale_format!r} is not supported; allowed: {list(fp8_format.SCALE_FORMATS)}")
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    m = math.prod(x.shape[:-1])
     tr, tc = fp8_format.tile_shape(recipe, operand, m, k)
-    if x2.numel() == 0:
+    if x.numel() == 0:  # no rows or no columns: no element reads the scales (ones, as fp8.quantize)
         return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
-                torch.empty((triton.cdiv(m, tr), triton.cdiv(k, tc)), dtype=torch.float32, device=x.device))
+                torch.ones((triton.cdiv(m, tr), triton.cdiv(k, tc)), dtype=torch.float32, device=x.device))
+    x2 = x.reshape(m, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
