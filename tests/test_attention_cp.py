@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from tests.conftest import free_port
 from tests.test_attention_tp import _assert_tp_close
-from tests.tp_harness import gather_sequence, shard
+from tests.tp_harness import assert_sharded_grads, gather_sequence, shard
 
 CP_CASES = [  # (packed THD boundaries, sparse indexer loss, kpool)
     (None, False, 1),
@@ -146,12 +146,7 @@ def _worker(rank: int, world: int, port: int, tp: int) -> None:
         assert loss == pytest.approx(ref_loss, rel=1e-5), (case, loss, ref_loss)
         from megatron.core import parallel_state as ps
 
-        tp_rank = ps.get_tensor_model_parallel_rank()
-        for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
-            if ref_param.grad is None:
-                assert param.grad is None and not param.requires_grad, f"{case} {name}"
-                continue
-            _assert_tp_close(param.grad, shard(ref_param.grad, param, tp_rank, tp), f"{case} grad {name}")
+        assert_sharded_grads(mod, ref, ps.get_tensor_model_parallel_rank(), tp, _assert_tp_close, case)
         _check_batch_split()
     dist.destroy_process_group()
 

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from tests.conftest import free_port
 from tests.test_kda_tp import HIDDEN, _assert_tp_close
-from tests.tp_harness import gather_sequence, shard
+from tests.tp_harness import assert_sharded_grads, gather_sequence, shard
 
 SEQ = 16
 """Tokens per row: 2 * CP = 4 chunks of 4 tokens; each CP rank holds chunks (0, 3) or (1, 2)."""
@@ -112,11 +112,10 @@ def _worker(rank: int, world: int, port: int, tp: int) -> None:
         mod, out, gx, rows = _run(tp, cp, cu, x, weight, reference=ref)
         _assert_tp_close(out, ref_out[rows], f"{case} output")
         _assert_tp_close(gx, ref_gx[rows], f"{case} input grad")
-        tp_rank = ps.get_tensor_model_parallel_rank()
         sharded = mod.sharded_state_dict(prefix="kda.")
-        for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
+        for (name, _), ref_param in zip(mod.named_parameters(), ref.parameters()):
             assert tuple(sharded[f"kda.{name}"].global_shape) == tuple(ref_param.shape), (case, name)
-            _assert_tp_close(param.grad, shard(ref_param.grad, param, tp_rank, tp), f"{case} grad {name}")
+        assert_sharded_grads(mod, ref, ps.get_tensor_model_parallel_rank(), tp, _assert_tp_close, case)
     dist.destroy_process_group()
 
 

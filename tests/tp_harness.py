@@ -80,3 +80,16 @@ def spawn_two_ranks(body: Callable[[], None]) -> None:
     ranks of one CPU process group, with megatron-core's CUDA calls redirected
     (:mod:`kpool_layers.compat.cpu`)."""
     mp.spawn(_worker, args=(free_port(), body), nprocs=2, join=True)
+
+
+def assert_sharded_grads(mod: torch.nn.Module, ref: torch.nn.Module, tp_rank: int, tp: int,
+                         close: Callable[[torch.Tensor, torch.Tensor, str], None], case: str) -> None:
+    """Every parameter gradient of ``mod`` (this TP rank's shard) against ``ref``'s full one cut
+    to the same shard (:func:`shard`), by ``close(got, want, label)``; a parameter ``ref`` gives no
+    gradient has none in ``mod`` either and takes none."""
+    for (name, param), ref_param in zip(mod.named_parameters(), ref.parameters()):
+        if ref_param.grad is None:
+            assert param.grad is None and not param.requires_grad, f"{case} {name}"
+            continue
+        close(param.grad, shard(ref_param.grad, param, tp_rank, tp), f"{case} grad {name}")
+

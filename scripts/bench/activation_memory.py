@@ -43,12 +43,9 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from recipes import loop
 from recipes.launch import distributed
 from recipes.plan import memory_plan
-from recipes.train import data as data_lib
-from recipes.train.cuda_graph import ForwardBackward
-from timing import compose_config  # sibling module (run as a script)
+from timing import TrainerStep, compose_config  # sibling module (run as a script)
 
 GIB = 2**30
 
@@ -140,27 +137,12 @@ def main() -> None:
     cfg = compose_config(overrides + ["logging.mode=disabled"])
     os.environ.setdefault("KPOOL_RUN_ID", "activation_memory")
     distributed.init_process_group(distributed.launcher_topology())
-    trainer = loop._build(cfg)
-    tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
-    batches = loop._batches(cfg, 0, tokenizer)
-    eod_id = loop.packed_eod_id(cfg, tokenizer)
-    fwd_bwd = ForwardBackward(cfg.train)
-    device = distributed.device()
-    cuda = device.type == "cuda"
+    step = TrainerStep(cfg)
+    trainer, cuda = step.trainer, step.device.type == "cuda"
     model = trainer.model
     inner = model
     while hasattr(inner, "module"):  # DDP, then Float16Module, around the GPTModel
         inner = inner.module
-
-    def step() -> None:
-        model.zero_grad_buffer()
-        trainer.optimizer.zero_grad()
-        fwd_bwd(forward_step_func=partial(loop.forward_step, device, eod_id), data_iterator=batches,
-                model=[model], num_microbatches=trainer.num_microbatches, seq_length=cfg.data.seq_length,
-                micro_batch_size=cfg.train.micro_batch_size, forward_only=False)
-        trainer.optimizer.step()
-        if cuda:
-            torch.cuda.synchronize()
 
     sites = bool(args.peak_sites and cuda)
     if sites:  # from the warm-up on: a step that runs out of memory is analysed too
@@ -224,7 +206,7 @@ def main() -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(figures, indent=1))
-    fwd_bwd.close()
+    step.close()
     distributed.shutdown()
 
 

@@ -38,10 +38,8 @@ import collections
 import json
 import os
 import statistics
-import time
 import traceback
 import warnings
-from functools import partial
 from typing import Callable
 from pathlib import Path
 
@@ -50,14 +48,12 @@ from torch.autograd import DeviceType
 
 import recipes.config.megatron
 import kpool_layers.compat.multi_tensor
-from recipes.train import data as data_lib
 from recipes.launch import distributed
-from recipes import loop
-from recipes.train.cuda_graph import ForwardBackward, capture_stream
+from recipes.train.cuda_graph import capture_stream
 from recipes.plan.dry_run import flop_model
 from recipes.plan.peak_flops import spec_peak
 from recipes.config.schema import Config, CudaGraphImpl
-from timing import compose_config  # sibling module (run as a script)
+from timing import TrainerStep, compose_config  # sibling module (run as a script)
 
 
 LAUNCH_CALLS = {"cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
@@ -165,26 +161,8 @@ def main() -> None:
 def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None:
     """Build ``cfg``'s trainer, run the warm-up, timed and profiled steps, print and write the
     figures (module docstring)."""
-    trainer = loop._build(cfg)
-    tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
-    batches = loop._batches(cfg, 0, tokenizer)
-    eod_id = loop.packed_eod_id(cfg, tokenizer)
-    fwd_bwd = ForwardBackward(cfg.train)
-    device = distributed.device()
-
-    def step() -> float:
-        start = time.perf_counter()
-        trainer.model.zero_grad_buffer()
-        trainer.optimizer.zero_grad()
-        fwd_bwd(forward_step_func=partial(loop.forward_step, device, eod_id),
-                data_iterator=batches,
-                model=[trainer.model], num_microbatches=trainer.num_microbatches,
-                seq_length=cfg.data.seq_length, micro_batch_size=cfg.train.micro_batch_size,
-                forward_only=False)
-        trainer.optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - start
+    step = TrainerStep(cfg)
+    trainer, device = step.trainer, step.device
 
     graphed = cfg.train.cuda_graph_impl is not CudaGraphImpl.none
     for _ in range(1 + (cfg.train.cuda_graph_warmup_steps if graphed else 0)):  # + the capture
@@ -243,7 +221,7 @@ def profile(cfg: Config, args: argparse.Namespace, overrides: list[str]) -> None
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(figures, indent=1))
-    fwd_bwd.close()
+    step.close()
 
 
 if __name__ == "__main__":

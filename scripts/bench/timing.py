@@ -8,6 +8,7 @@ import argparse
 import os
 import statistics
 import time
+from functools import partial
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -88,3 +89,43 @@ def out_and_config(doc: str) -> tuple[str | None, list[str], Any]:
     parser.add_argument("--out", help="write the figures as JSON here")
     args, overrides = parser.parse_known_args()
     return args.out, overrides, compose_config(overrides)
+
+
+class TrainerStep:
+    """``cfg``'s trainer built as ``train.py`` builds it (``recipes.loop``) on this process's device,
+    its data, and one training step per call: megatron's forward-backward over the step's micro
+    batches (``recipes.train.cuda_graph.ForwardBackward``, graphed as ``train.cuda_graph_impl``
+    says), then the optimizer step; synchronised on CUDA, returns its seconds. :meth:`close` frees
+    the graph."""
+
+    def __init__(self, cfg: Any) -> None:
+        from recipes import loop
+        from recipes.launch import distributed
+        from recipes.train import data as data_lib
+        from recipes.train.cuda_graph import ForwardBackward
+
+        self.cfg = cfg
+        self.trainer = loop._build(cfg)
+        tokenizer = data_lib.build_tokenizer(cfg.data, cfg.model.vocab_size)
+        self._batches = loop._batches(cfg, 0, tokenizer)
+        self.device = distributed.device()
+        self._forward_step = partial(loop.forward_step, self.device, loop.packed_eod_id(cfg, tokenizer))
+        self._fwd_bwd = ForwardBackward(cfg.train)
+
+    def __call__(self) -> float:
+        start = time.perf_counter()
+        trainer = self.trainer
+        trainer.model.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        self._fwd_bwd(forward_step_func=self._forward_step, data_iterator=self._batches,
+                      model=[trainer.model], num_microbatches=trainer.num_microbatches,
+                      seq_length=self.cfg.data.seq_length, micro_batch_size=self.cfg.train.micro_batch_size,
+                      forward_only=False)
+        trainer.optimizer.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self._fwd_bwd.close()
+
