@@ -21,6 +21,7 @@ from kpool_layers.dsa.indexer import DSAIndexer, ScoredSelection  # noqa: E402
 from kpool_layers.dsa.kpool import kpool_topk  # noqa: E402
 from recipes.hf.config import model_config_from_hf  # noqa: E402
 from recipes.hf.mapping import layer_maps  # noqa: E402
+from tests.scoring import row_scores  # noqa: E402
 
 HIDDEN, Q_LORA, HEADS, HEAD_DIM, BATCH = 64, 32, 8, 32, 2
 HF_PREFIX = "model.layers.0.self_attn.indexer."
@@ -107,7 +108,7 @@ def test_selection_matches_transformers(single_rank_parallel_state, kpool: int, 
     width = 4 * kpool + (kpool - 1 if tail else 0)
     assert ref.shape == got.shape == (BATCH, seq, width)
     assert torch.equal(packed - (packed >= 0) * torch.arange(BATCH).view(-1, 1, 1) * seq, got)
-    ties = sum(compare(got[r], ref[r], scored.scores(r, relu=True, chunk_size=seq), kpool, 4 * kpool)
+    ties = sum(compare(got[r], ref[r], row_scores(scored, r, seq), kpool, 4 * kpool)
                for r in range(BATCH))
     print(f"kpool={kpool} tail={tail}: {ties} of {BATCH * seq} queries differ by a boundary tie")
     assert ties == 0  # measured 0 for every kpool / tail: random float32 scores do not tie
@@ -129,10 +130,10 @@ def test_rotation_after_pooling_keeps_the_selection(single_rank_parallel_state) 
     with torch.no_grad():
         ref = hf(hidden, q_resid, torch.ones(1, seq, dtype=torch.bool), cache=None).long()[0]
         out = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1))
-        scores = ScoredSelection.of(out, ours.numerics).scores(0, relu=True, chunk_size=seq)
+        scores = row_scores(ScoredSelection.of(out, ours.numerics), 0, seq)
         ours.config.dsa_indexer_rotate_activation = False
         plain = ours(hidden.transpose(0, 1), q_resid.transpose(0, 1))
-        plain_scores = ScoredSelection.of(plain, ours.numerics).scores(0, relu=True, chunk_size=seq)
+        plain_scores = row_scores(ScoredSelection.of(plain, ours.numerics), 0, seq)
         # The other order: rotate q and the token keys, then pool.
         q = rotate_activation(ours.linear_wq_b(q_resid[0]).view(seq, HEADS, HEAD_DIM))
         k = rotate_activation(ours.k_norm(ours.linear_wk(hidden[0])))

@@ -50,6 +50,7 @@ from kpool_layers.precision.policy import PrecisionPolicy
 from kpool_layers.dsa.topk import chunked_range_topk
 from recipes.observe.drift import Recorded, layer_drift
 from tests.test_indexer import tiny_config
+from tests.scoring import row_scores
 
 ROOT = Path(__file__).resolve().parents[1]
 D = 16  # channels of the CPU cases: the Hadamard scale 16 ** -0.5 = 0.25 is exact
@@ -362,7 +363,7 @@ def test_serving_path_quantizes_the_unrotated_softmax_pool(single_rank_parallel_
     assert torch.equal(scored.keys[:, 0], fp8.serving_index_quant(pooled))
     assert torch.equal(scored.q[:, 0], fp8.serving_index_quant(q))
     expected = fp8.serving_index_scores(q, pooled, out.weights[:, 0])
-    got = scored.scores(0, relu=True, chunk_size=5)
+    got = row_scores(scored, 0, 5)
     visible = torch.isfinite(got)
     torch.testing.assert_close(got[visible], expected[visible], rtol=1e-6, atol=1e-6)
 

@@ -29,6 +29,7 @@ from recipes.config.schema import ConfigError, register_configs
 from recipes.config.rules import validate
 from recipes.config.typed import to_config
 from tests.test_indexer import tiny_config
+from tests.scoring import row_scores
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_resolvers()
@@ -119,7 +120,7 @@ def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_
     expected = fp8.serving_index_scores(q, k, w)
     causal = torch.ones(s, s, dtype=torch.bool).tril()
     expected = expected.masked_fill(~causal, float("-inf"))
-    got = ScoredSelection.of(out, indexer.numerics).scores(0, relu=True, chunk_size=7)
+    got = row_scores(ScoredSelection.of(out, indexer.numerics), 0, 7)
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     ref_idx = ascending_selection(topk_lower_index_ties(expected, 6),
                                   torch.arange(6) < (torch.arange(s) + 1)[:, None])
@@ -128,8 +129,7 @@ def test_indexer_serving_quant_equals_serving_index_scores(single_rank_parallel_
     plain_indexer = DSAIndexer(plain_cfg, layer_number=1)
     plain_indexer.load_state_dict(indexer.state_dict())
     assert plain_indexer.numerics.index_quant is None
-    plain = ScoredSelection.of(plain_indexer(hidden, q_latent), plain_indexer.numerics).scores(
-        0, relu=True, chunk_size=7)
+    plain = row_scores(ScoredSelection.of(plain_indexer(hidden, q_latent), plain_indexer.numerics), 0, 7)
     assert not torch.equal(plain, got)
     torch.testing.assert_close(plain, got, rtol=0.2, atol=0.2)
 
