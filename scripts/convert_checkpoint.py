@@ -1,8 +1,8 @@
 """Convert GLM-5.x checkpoints between Hugging Face safetensors and our megatron dist checkpoints.
 
-    python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT [--force]
+    python scripts/convert_checkpoint.py import --hf DIR [--model NAME|FILE.yaml] --out CKPT [--skip-mtp] [--force]
     python scripts/convert_checkpoint.py export --ckpt CKPT --hf-out DIR [--model NAME|FILE.yaml] [--fp8] [--force]
-    python scripts/convert_checkpoint.py verify --hf DIR [--ckpt CKPT] [--tokens N] [--seq-len S] [--packed] [--max-delta X]
+    python scripts/convert_checkpoint.py verify --hf DIR [--ckpt CKPT] [--tokens N] [--seq-len S] [--packed] [--max-delta X] [--skip-mtp]
 
 ``import`` writes a torch_dist checkpoint with full (unsharded) tensors, which megatron's
 ``dist_checkpointing`` reshards on load to any TP/PP/EP: ``python train.py model=NAME
@@ -16,7 +16,11 @@ tensor shape (vocab included) against that model before writing anything.
 Output goes to a temporary directory renamed into place when complete; a non-empty output
 directory is refused unless ``--force``. Both outputs hold ``conversion.json`` naming their source.
 Both directions stream: one tensor (import) or one HF layer (export) is in memory at a time;
-tensors are written to disk as they come. ``verify`` runs the same tokens through transformers'
+tensors are written to disk as they come. A checkpoint's MTP layers (``model.layers.{n}.*`` past
+the decoder's ``n``) that the model does not build are an error naming them; ``--skip-mtp`` converts
+without them (the model gets ``mtp_num_layers: 0``; GLM-5.3's ``model.layers.45.*``, which
+transformers' ``Glm5NextTextModel`` ignores too), prints how many tensors it left out and lists them
+in ``conversion.json``. ``verify`` runs the same tokens through transformers'
 model of ``--hf`` and ours (weights from ``--ckpt``, or ``--hf`` mapped in memory) on CPU in
 float32, prints max / mean |Δlogit| and top-1 agreement, and exits 1 when max |Δlogit| exceeds the
 bound (``recipes.hf.verify``). See docs/hf_interop.md.
@@ -74,14 +78,25 @@ FP8_WEIGHTS = re.compile(r"\.(q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_p
 embeddings, norms, router, indexer head weights, MTP ``eh_proj`` and KPool tensors stay as they are."""
 
 
-def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name: str = "hf_import") -> DictConfig:
-    """The typed ``model`` group: ``conf/model/<model>.yaml``, a yaml file, or derived from ``hf_config``."""
+def model_group(model: str | None, hf_config: dict[str, Any] | None = None, name: str = "hf_import",
+                skip_mtp: bool = False) -> DictConfig:
+    """The typed ``model`` group: ``conf/model/<model>.yaml``, a yaml file, or derived from
+    ``hf_config`` (without MTP layers with ``skip_mtp``, which a ``--model`` with MTP layers refuses)."""
     schema = OmegaConf.structured(ModelConfig)
     if model is None:
         if hf_config is None:
             raise ValueError("--model is required: no HF config.json, checkpoint manifest or model.yaml "
                              "to derive the model config from")
-        return OmegaConf.merge(schema, model_config_from_hf(hf_config, name))
+        return OmegaConf.merge(schema, model_config_from_hf(hf_config, name, skip_mtp))
+    cfg = _model_file(model, schema)
+    if skip_mtp and cfg.mtp_num_layers:
+        raise ValueError(f"--skip-mtp with --model {model}: its model.mtp_num_layers is {cfg.mtp_num_layers}; "
+                         "pass a model with mtp_num_layers 0 or leave out --skip-mtp")
+    return cfg
+
+
+def _model_file(model: str, schema: DictConfig) -> DictConfig:
+    """``schema`` merged with the yaml file ``model``, else with ``conf/model/<model>.yaml``."""
     path = Path(model)
     if not path.is_file():
         path = ROOT / "conf" / "model" / f"{model}.yaml"
@@ -163,21 +178,25 @@ def _record_source(directory: Path, direction: str, source: str | os.PathLike, m
 
 
 def import_hf(hf_dir: str | os.PathLike, out: str | os.PathLike, model: str | None = None,
-              force: bool = False) -> DictConfig:
-    """HF checkpoint directory -> megatron dist checkpoint ``out``; returns the ``model`` group."""
+              force: bool = False, skip_mtp: bool = False) -> DictConfig:
+    """HF checkpoint directory -> megatron dist checkpoint ``out``; returns the ``model`` group.
+    ``skip_mtp``: the checkpoint's MTP layers are left out (and listed in ``conversion.json``)."""
     check_output_dir(out, "--out")
     with atomic_output_dir(out, force) as tmp:
-        return _import_into(hf_dir, tmp, model)
+        return _import_into(hf_dir, tmp, model, skip_mtp)
 
 
-def _import_into(hf_dir: str | os.PathLike, out: Path, model: str | None) -> DictConfig:
+def _import_into(hf_dir: str | os.PathLike, out: Path, model: str | None, skip_mtp: bool) -> DictConfig:
     reader = HFReader(hf_dir)
-    model_cfg = model_group(model, reader.config())
+    model_cfg = model_group(model, reader.config(), skip_mtp=skip_mtp)
     if model is None:
         print(f"model config derived from {Path(hf_dir) / 'config.json'}:\n{OmegaConf.to_yaml(model_cfg)}")
     mapping = build_mapping(model_cfg)
     present = reader.names()
-    check_hf_names(mapping, present)
+    skipped = check_hf_names(mapping, present, skip_mtp)
+    if skip_mtp:
+        print(f"--skip-mtp: left out {len(skipped)} tensors of layers past the model's {mapping.layers}"
+              f"{' (listed in ' + CONVERSION_JSON + ')' if skipped else ' (the checkpoint has none)'}")
     for alias, target in mapping.aliases.items():
         if alias in present and not torch.equal(reader.get(alias), reader.get(target)):
             raise ValueError(f"{alias} differs from {target}; megatron's MTP shares that tensor")
@@ -200,7 +219,7 @@ def _import_into(hf_dir: str | os.PathLike, out: Path, model: str | None) -> Dic
     save_lazy_dist_checkpoint(sharded, out, materialize)
     reader.close()
     (out / MODEL_YAML).write_text(OmegaConf.to_yaml(model_cfg))
-    _record_source(out, "import", hf_dir, model_cfg)
+    _record_source(out, "import", hf_dir, model_cfg, **({"skipped_mtp_tensors": skipped} if skip_mtp else {}))
     write_manifest(out, config={"model": OmegaConf.to_container(model_cfg, enum_to_str=True)},
                    lineage=f"import-{uuid.uuid4().hex}", step=0)
     return model_cfg
@@ -294,9 +313,10 @@ def _export_into(ckpt: str | os.PathLike, hf_out: Path, model: str | None, fp8: 
 
 
 def verify_hf(hf_dir: str | os.PathLike, ckpt: str | os.PathLike | None = None, model: str | None = None,
-              **options: Any) -> Report:
+              skip_mtp: bool = False, **options: Any) -> Report:
     """``verify``: the model config (``--model``, else the checkpoint's, else derived from
-    ``--hf``'s config.json), then :func:`recipes.hf.verify.verify` with ``options``."""
+    ``--hf``'s config.json, without MTP layers with ``skip_mtp``), then
+    :func:`recipes.hf.verify.verify` with ``options``."""
     import transformers
 
     transformers.utils.logging.set_verbosity_error()  # its load report and progress bars
@@ -307,9 +327,9 @@ def verify_hf(hf_dir: str | os.PathLike, ckpt: str | os.PathLike | None = None, 
         check_single_checkpoint(ckpt)
         model_cfg = checkpoint_model_group(ckpt, model)
     else:
-        model_cfg = model_group(model, hf_config)
+        model_cfg = model_group(model, hf_config, skip_mtp=skip_mtp)
     init_single_rank()
-    return verify_logits(hf_dir, model_cfg, ckpt, **options)
+    return verify_logits(hf_dir, model_cfg, ckpt, skip_mtp=skip_mtp, **options)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,6 +340,8 @@ def main(argv: list[str] | None = None) -> None:
     imp.add_argument("--model", help="conf/model name or yaml file (default: derived from config.json)")
     imp.add_argument("--out", required=True, help="dist checkpoint directory to write")
     imp.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    imp.add_argument("--skip-mtp", action="store_true",
+                     help="convert without the checkpoint's MTP layers (model.layers.N+ past the decoder)")
     exp = sub.add_parser("export", help="megatron dist checkpoint -> HF safetensors")
     exp.add_argument("--ckpt", required=True, help="dist checkpoint directory (e.g. .../iter_0000100)")
     exp.add_argument("--hf-out", required=True, help="HF directory to write")
@@ -336,14 +358,17 @@ def main(argv: list[str] | None = None) -> None:
     ver.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     ver.add_argument("--packed", action="store_true", help="our model sees the sequences as THD documents of one row")
     ver.add_argument("--max-delta", type=float, help="bound on max |Δlogit| (default: derived, printed)")
+    ver.add_argument("--skip-mtp", action="store_true",
+                     help="leave out the checkpoint's MTP layers, as import --skip-mtp does (they do not change the logits)")
     args = parser.parse_args(argv)
     mmap_large_allocations()
     try:
         if args.command == "import":
-            import_hf(args.hf, args.out, args.model, args.force)
+            import_hf(args.hf, args.out, args.model, args.force, args.skip_mtp)
         elif args.command == "verify":
             report = verify_hf(args.hf, args.ckpt, args.model, tokens=args.tokens, seq_len=args.seq_len,
-                               seed=args.seed, packed=args.packed, max_delta=args.max_delta)
+                               seed=args.seed, packed=args.packed, max_delta=args.max_delta,
+                               skip_mtp=args.skip_mtp)
         else:
             export_hf(args.ckpt, args.hf_out, args.model, args.fp8, int(args.shard_gb * 2**30), args.force)
     except Exception as err:  # noqa: BLE001 (every failure of a conversion: one line naming its file)

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from scripts.convert_checkpoint import import_hf, main  # noqa: E402
-from tests.test_hf_interop import TINY, save_tiny  # noqa: E402
+from tests.test_hf_interop import TINY, safetensors_of, save_tiny  # noqa: E402
 
 SEQ = 32  # > index_topk 16: the indexer's selection is exercised
 
@@ -195,3 +195,62 @@ def test_transformers_side_loads_every_tensor_or_names_it(tmp_path: Path) -> Non
     with pytest.raises(KeyError, match=r"unexpected \['model.layers.0.self_attn.bogus.weight'\].*missing .*"
                                         r"layers.2.post_attention_layernorm.weight"):
         load_transformers(hf_dir, config, fam, HFReader(hf_dir), 4)
+
+
+H = TINY["hidden_size"]
+MTP_TENSORS = {  # the DeepSeek-V3-layout MTP layer a checkpoint stores after its 4 decoder layers
+    "model.layers.4.enorm.weight": (H,), "model.layers.4.hnorm.weight": (H,),
+    "model.layers.4.eh_proj.weight": (H, 2 * H), "model.layers.4.shared_head.norm.weight": (H,),
+    "model.layers.4.self_attn.q_a_proj.weight": (TINY["q_lora_rank"], H),
+    "model.layers.4.mlp.gate.weight": (TINY["n_routed_experts"], H),
+}
+
+
+@pytest.mark.parametrize("config_field", [False, True], ids=["tensors_only", "num_nextn_predict_layers"])
+def test_glm5_next_mtp_layer_converts_only_when_skipped(tmp_path: Path, single_rank_parallel_state,
+                                                        capsys: pytest.CaptureFixture, config_field: bool) -> None:
+    """GLM-5.3's checkpoint stores an MTP layer (``model.layers.45.*``) that transformers'
+    ``Glm5NextTextModel`` ignores and our glm5_next model does not build: import and verify name it
+    and ``--skip-mtp``; with the flag the import leaves out exactly those tensors (listed in
+    conversion.json), its export is the checkpoint without them bit for bit, and verify passes."""
+    from scripts.convert_checkpoint import export_hf, verify_hf
+
+    hf_dir = save_glm5_next(tmp_path / "hf", layers="kda_dsa_hc4")
+    plain = load_file(hf_dir / "model.safetensors")
+    save_file({**plain, **{k: torch.randn(shape) for k, shape in MTP_TENSORS.items()}},
+              hf_dir / "model.safetensors", metadata={"format": "pt"})
+    if config_field:
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "refused")])
+    message = str(refused.value.code)
+    assert "--skip-mtp converts without the checkpoint's MTP layers" in message, message
+    assert ("num_nextn_predict_layers=1" if config_field else
+            "6 of the unknown tensors belong to layers past the model's 4 (model.layers.4.*") in message
+    assert not (tmp_path / "refused").exists()
+    code, out = run_verify(capsys, "--hf", str(hf_dir), "--tokens", str(2 * SEQ), "--seq-len", str(SEQ))
+    assert code == 1 and "--skip-mtp" in out, out
+
+    main(["import", "--hf", str(hf_dir), "--out", str(tmp_path / "ckpt"), "--skip-mtp"])
+    assert "--skip-mtp: left out 6 tensors of layers past the model's 4" in capsys.readouterr().out
+    record = json.loads((tmp_path / "ckpt" / "conversion.json").read_text())
+    assert record["skipped_mtp_tensors"] == sorted(MTP_TENSORS) and record["model"]["mtp_num_layers"] == 0
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
+    exported = safetensors_of(tmp_path / "out")
+    assert sorted(exported) == sorted(plain) and all(torch.equal(exported[k], v) for k, v in plain.items())
+    for ckpt in (None, tmp_path / "ckpt"):
+        report = verify_hf(hf_dir, ckpt, skip_mtp=True, tokens=2 * SEQ, seq_len=SEQ)
+        assert report.passed, report.lines()
+
+
+def test_skip_mtp_derives_a_model_without_mtp_and_refuses_one_with() -> None:
+    from recipes.hf.config import model_config_from_hf
+    from scripts.convert_checkpoint import model_group
+
+    config = {**transformers.GlmMoeDsaConfig(**TINY).to_dict(), "num_nextn_predict_layers": 1}
+    assert model_config_from_hf(config, "x")["mtp_num_layers"] == 1
+    assert model_config_from_hf(config, "x", skip_mtp=True)["mtp_num_layers"] == 0
+    with pytest.raises(ValueError, match="--skip-mtp with --model glm5: its model.mtp_num_layers is 1"):
+        model_group("glm5", skip_mtp=True)

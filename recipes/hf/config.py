@@ -26,6 +26,9 @@ SUPPORTED_MODEL_TYPES = ("glm_moe_dsa", "glm5_next_text")
 HC_DEFAULTS = {"hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6}
 """transformers' ``Glm5NextTextConfig`` mHC fields and their defaults (a glm5_next_text config
 always has hyper-connections; glm_moe_dsa has none)."""
+SKIP_MTP_HINT = ("--skip-mtp converts without the checkpoint's MTP layers (the model is then trained without "
+                 "multi-token prediction; transformers' Glm5NextTextModel ignores those tensors as well)")
+"""What import and verify say of a checkpoint's MTP layers that the model does not build."""
 INDEXER_K_NORM_EPS = 1e-6
 MLA_LATENT_NORM_EPS = 1e-6
 
@@ -130,7 +133,8 @@ GLM5_NEXT_TEXT_FIELDS: dict[str, str] = {
         "index_n_heads", "layer_types", "indexer_types", "swiglu_limit", "linear_head_dim",
         "linear_num_heads", "linear_conv_kernel_dim", "linear_lower_bound", "index_kpool",
         "index_kpool_always_select_tail", "attention_dropout", "head_dim", "qk_head_dim",
-        "index_topk_freq", "index_skip_topk_offset", "rope_parameters", "rope_theta")},
+        "index_topk_freq", "index_skip_topk_offset", "rope_parameters", "rope_theta",
+        "num_nextn_predict_layers")},
     **{key: METADATA for key in (
         "architectures", "dtype", "torch_dtype", "transformers_version", "use_cache", "pad_token_id",
         "bos_token_id", "eos_token_id", "output_router_logits", "router_aux_loss_coef",
@@ -189,8 +193,20 @@ def _hybrid(hf: dict[str, Any], layers: int) -> dict[str, Any]:
                                         else float(get["linear_lower_bound"]))}
 
 
-def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
-    """``model`` group values (``recipes.config.schema.ModelConfig`` fields) for an HF config dict."""
+def _mtp_layers(hf: dict[str, Any], skip_mtp: bool) -> int:
+    """``model.mtp_num_layers``: the config's ``num_nextn_predict_layers``, 0 with ``skip_mtp``. A
+    glm5_next_text model has no MTP module (transformers' neither: it ignores the checkpoint's
+    ``model.layers.45.*``), so there its MTP layers convert only as skipped."""
+    layers = int(hf.get("num_nextn_predict_layers") or 0)
+    if hf["model_type"] == "glm5_next_text" and not skip_mtp:
+        _require(layers == 0, "num_nextn_predict_layers", layers,
+                 f"0 for glm5_next_text (its model has no MTP layer); {SKIP_MTP_HINT}")
+    return 0 if skip_mtp else layers
+
+
+def model_config_from_hf(hf: dict[str, Any], name: str, skip_mtp: bool = False) -> dict[str, Any]:
+    """``model`` group values (``recipes.config.schema.ModelConfig`` fields) for an HF config dict;
+    ``skip_mtp``: without the MTP layers the config names (``mtp_num_layers`` 0)."""
     hf = text_config(hf)
     _check_supported(hf)
     layers = int(hf["num_hidden_layers"])
@@ -260,7 +276,7 @@ def model_config_from_hf(hf: dict[str, Any], name: str) -> dict[str, Any]:
         "moe_router_score_function": "sigmoid",
         "moe_router_enable_expert_bias": True,
         "moe_router_topk_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-        "mtp_num_layers": int(hf.get("num_nextn_predict_layers", 0)),
+        "mtp_num_layers": _mtp_layers(hf, skip_mtp),
         **_hyper_connections(hf),
     }
 

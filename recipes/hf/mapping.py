@@ -29,12 +29,15 @@ Indexer tensors exist only on layers computing their top-k under IndexShare
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from kpool_layers import model_facts
+from recipes.hf.config import SKIP_MTP_HINT
 
 
 class Conversion(Protocol):
@@ -134,6 +137,8 @@ class Mapping:
 
     maps: tuple[TensorMap, ...]
     aliases: dict[str, str]
+    layers: int
+    """HF layers ``model.layers.{i}`` the mapping covers: the decoder layers, then the MTP layers."""
     inert: dict[str, tuple[tuple[int, ...], float]] = field(default_factory=dict)
     """HF tensors that cannot change the HF model's output, name -> (shape, the value export
     writes): glm5_next's KPool gate and ape at ``index_kpool`` 1 (a softmax over one slot is 1).
@@ -255,7 +260,7 @@ def build_mapping(model: Any) -> Mapping:
             "lm_head.weight" if model.untie_embeddings_and_output_weights else "model.embed_tokens.weight")
     if model.untie_embeddings_and_output_weights:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",)))
-    return Mapping(maps=tuple(maps), aliases=aliases, inert=_inert_kpool(model))
+    return Mapping(maps=tuple(maps), aliases=aliases, layers=n + model.mtp_num_layers, inert=_inert_kpool(model))
 
 
 def _inert_kpool(model: Any) -> dict[str, tuple[tuple[int, ...], float]]:
@@ -274,13 +279,40 @@ def _inert_kpool(model: Any) -> dict[str, tuple[tuple[int, ...], float]]:
     return out
 
 
-def check_hf_names(mapping: Mapping, present: set[str]) -> None:
+HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+"""An HF decoder-layer tensor name (text layout); group 1 is the layer index."""
+
+
+def layer_index(name: str) -> int | None:
+    """The ``i`` of an HF tensor ``model.layers.{i}.*``; ``None`` for other tensors."""
+    match = HF_LAYER.match(name)
+    return int(match.group(1)) if match else None
+
+
+def tensors_past(names: Iterable[str], layers: int) -> list[str]:
+    """The tensors of HF layers ``model.layers.{i}`` with ``i >= layers``, sorted: a checkpoint's
+    MTP layers (DeepSeek-V3 layout, stored after the decoder layers) that a mapping of ``layers``
+    layers leaves out."""
+    return sorted(n for n in names if (i := layer_index(n)) is not None and i >= layers)
+
+
+def check_hf_names(mapping: Mapping, present: set[str], skip_mtp: bool = False) -> list[str]:
     """Raise naming every HF tensor the mapping needs but ``present`` lacks, and every tensor in
-    ``present`` the mapping does not know (MTP aliases may be absent)."""
+    ``present`` the mapping does not know (MTP aliases may be absent). ``skip_mtp``: the tensors
+    of layers past the mapping's (:func:`tensors_past`) are left out, and returned so the caller
+    can report them; without it they are unknown like any other, with the hint to skip them."""
     needed = {name for m in mapping.maps for name in m.hf}
+    skipped = tensors_past(present, mapping.layers) if skip_mtp else []
     missing = sorted(needed - present)
-    unknown = sorted(present - mapping.hf_names())
+    unknown = sorted(present - mapping.hf_names() - set(skipped))
     if missing or unknown:
+        past = tensors_past(unknown, mapping.layers)
+        hint = ""
+        if past and not skip_mtp:
+            first = layer_index(past[0])
+            hint = (f"; {len(past)} of the unknown tensors belong to layers past the model's {mapping.layers} "
+                    f"(model.layers.{first}.*: MTP layers): {SKIP_MTP_HINT}")
         raise KeyError(f"HF checkpoint does not match the model: missing {missing[:20]}"
                        f"{' ...' if len(missing) > 20 else ''} ({len(missing)}); unknown {unknown[:20]}"
-                       f"{' ...' if len(unknown) > 20 else ''} ({len(unknown)})")
+                       f"{' ...' if len(unknown) > 20 else ''} ({len(unknown)}){hint}")
+    return skipped

@@ -36,7 +36,7 @@ import torch
 
 from recipes.hf.config import model_config_from_hf
 from recipes.hf.io import HFReader
-from recipes.hf.mapping import build_mapping, check_hf_names
+from recipes.hf.mapping import build_mapping, check_hf_names, layer_index
 
 FP32_UNIT_ROUNDOFF = 2.0**-24
 STAGES_PER_LAYER = 14
@@ -85,7 +85,6 @@ FAMILIES: dict[str, HFFamily] = {
     "glm_moe_dsa": HFFamily("GlmMoeDsaForCausalLM", _logits_from_output),
     "glm5_next_text": HFFamily("Glm5NextTextModel", _logits_from_hidden, (r"^lm_head\.weight$",)),
 }
-MTP_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -156,11 +155,11 @@ def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def check_same_model(model_cfg: Any, hf_config: dict[str, Any], ckpt: str | os.PathLike,
-                     hf_dir: str | os.PathLike) -> None:
+                     hf_dir: str | os.PathLike, skip_mtp: bool = False) -> None:
     """``ValueError`` naming every model key whose value in the checkpoint's config (``model_cfg``)
     differs from the one :func:`recipes.hf.config.model_config_from_hf` derives from ``hf_config``
-    (keys in :data:`IGNORED_CONFIG_KEYS` excepted)."""
-    derived = model_config_from_hf(hf_config, "hf")
+    (without its MTP layers with ``skip_mtp``; keys in :data:`IGNORED_CONFIG_KEYS` excepted)."""
+    derived = model_config_from_hf(hf_config, "hf", skip_mtp)
     diffs = []
     for key, want in derived.items():
         have = getattr(model_cfg, key)
@@ -225,12 +224,13 @@ def build_our_model(model_cfg: Any) -> Any:
     return build_gpt_model(cfg, to_transformer_config(cfg)).float().eval()
 
 
-def load_mapped_hf(model: Any, model_cfg: Any, reader: HFReader) -> None:
+def load_mapped_hf(model: Any, model_cfg: Any, reader: HFReader, skip_mtp: bool = False) -> None:
     """Load the HF tensors of ``reader`` into ``model`` through the import's tensor maps
     (:func:`recipes.hf.mapping.build_mapping`), in memory; every model tensor comes from the
-    checkpoint and every checkpoint tensor is used (:func:`recipes.hf.mapping.check_hf_names`)."""
+    checkpoint and every checkpoint tensor is used (:func:`recipes.hf.mapping.check_hf_names`),
+    the MTP layers past the model's excepted with ``skip_mtp``."""
     mapping = build_mapping(model_cfg)
-    check_hf_names(mapping, reader.names())
+    check_hf_names(mapping, reader.names(), skip_mtp)
     own = model.state_dict()
     tensors = {k for k, v in own.items() if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
     by_name = {m.megatron: m for m in mapping.maps}
@@ -256,8 +256,8 @@ def load_transformers(hf_dir: str | os.PathLike, hf_config: dict[str, Any], fam:
         hf_dir, dtype=torch.float32, output_loading_info=True)
 
     def expected_unused(name: str) -> bool:
-        layer = MTP_LAYER.match(name)
-        return (layer is not None and int(layer.group(1)) >= num_layers) or any(re.search(p, name) for p in fam.not_loaded)
+        layer = layer_index(name)
+        return (layer is not None and layer >= num_layers) or any(re.search(p, name) for p in fam.not_loaded)
 
     unexpected = sorted(n for n in info.get("unexpected_keys", ()) if not expected_unused(n))
     missing = sorted(info.get("missing_keys", ()))
@@ -305,18 +305,19 @@ def compare(ours: torch.Tensor, ref: torch.Tensor, model_cfg: Any, packed: bool,
 
 def verify(hf_dir: str | os.PathLike, model_cfg: Any, ckpt: str | os.PathLike | None = None,
            tokens: int = DEFAULT_TOKENS, seq_len: int = DEFAULT_SEQ_LEN, seed: int = 0, packed: bool = False,
-           max_delta: float | None = None, log: Callable[[str], None] = print) -> Report:
+           max_delta: float | None = None, skip_mtp: bool = False, log: Callable[[str], None] = print) -> Report:
     """Run the token batch through transformers' model of ``hf_dir`` and our model of ``model_cfg``
     (the ``model`` group: the checkpoint's with ``ckpt``, else derived from ``hf_dir``'s
     config.json) with weights from ``ckpt`` (a megatron checkpoint) or, without it, from
-    ``hf_dir`` through the import's tensor maps. Every input is checked before a model is built."""
+    ``hf_dir`` through the import's tensor maps (``skip_mtp``: as ``import --skip-mtp``, without the
+    checkpoint's MTP layers). Every input is checked before a model is built."""
     hf_config = read_hf_config(hf_dir)
     fam = family(hf_config, hf_dir)
     rows = check_tokens(tokens, seq_len)
     if max_delta is not None and not max_delta >= 0:
         raise ValueError(f"--max-delta {max_delta}: must be a non-negative number")
     if ckpt is not None:
-        check_same_model(model_cfg, hf_config, ckpt, hf_dir)
+        check_same_model(model_cfg, hf_config, ckpt, hf_dir, skip_mtp)
     reader = HFReader(hf_dir)
     try:
         if model_cfg.dsa_indexer_topk and seq_len <= model_cfg.dsa_indexer_topk:
@@ -324,7 +325,7 @@ def verify(hf_dir: str | os.PathLike, model_cfg: Any, ckpt: str | os.PathLike | 
                 "its keys, so the indexer's top-k selection is not exercised")
         ours = build_our_model(model_cfg)
         if ckpt is None:
-            load_mapped_hf(ours, model_cfg, reader)
+            load_mapped_hf(ours, model_cfg, reader, skip_mtp)
         else:
             from recipes.checkpoint.store import load_weights
 
