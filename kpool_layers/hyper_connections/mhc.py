@@ -14,7 +14,11 @@ token dims). Around each attention or MLP block ``F``::
 
 Sinkhorn, in float32: normalise the columns, then ``hc_sinkhorn_iters - 1`` times the rows and
 the columns (each division by ``sum + hc_eps``): ``comb`` is doubly stochastic up to the
-iteration's convergence. The embeddings enter as ``N`` copies (:func:`expand_streams`); the last
+iteration's convergence. The row softmax and Sinkhorn (:func:`mixing_matrix`) take the kernel
+route :data:`MIXING_MATRIX`: one Triton kernel forward and one backward on CUDA
+(:mod:`kpool_layers.kernels.sinkhorn_triton`; ``N <= 8``), else :func:`torch_mixing_matrix`, the
+torch ops transformers runs (``6 hc_sinkhorn_iters`` kernels forward, about twice that backward,
+per block). The embeddings enter as ``N`` copies (:func:`expand_streams`); the last
 layer's streams are collapsed by their unweighted mean (:func:`collapse_streams`) before the
 final norm.
 
@@ -26,6 +30,7 @@ parallelism each TP rank sees other tokens, so they are tagged ``sequence_parall
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,6 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from torch import Tensor
 
 from kpool_layers.config import GLMTransformerConfig
+from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
 from kpool_layers.precision.policy import LinearNumerics, Role
 
 
@@ -63,6 +69,36 @@ def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def torch_mixing_matrix(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """``comb [..., N, N]``: :func:`sinkhorn` of ``softmax(logits, rows) + eps`` in torch ops
+    (transformers' order of operations), for ``logits [..., N, N]``."""
+    return sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
+
+
+def _triton() -> ModuleType:
+    from kpool_layers.kernels import sinkhorn_triton
+
+    return sinkhorn_triton
+
+
+MIXING_MATRIX = register(Route("mhc_mixing", (
+    KernelBackend("triton", _triton, "row softmax + Sinkhorn in one Triton kernel forward, one backward (FP32, N <= 8)",
+                  declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: torch_mixing_matrix, "torch ops: softmax, then 2 iters - 1 normalisations of 3 ops"),
+), summary="mHC mixing matrix (row softmax + Sinkhorn)"))
+"""``mhc_mixing``: the Triton kernel module (its ``supports`` and ``mixing_matrix`` looked up per
+call) or :func:`torch_mixing_matrix`."""
+
+
+def mixing_matrix(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """``comb [..., N, N]`` FP32 = Sinkhorn(``softmax(logits, rows) + eps``) (module docstring) through
+    :data:`MIXING_MATRIX`; a tensor the kernel does not take runs the torch ops."""
+    route = MIXING_MATRIX.default()
+    if route.backend == "triton" and route.kernel.supports(logits):
+        return route.kernel.mixing_matrix(logits, iters, eps)
+    return torch_mixing_matrix(logits, iters, eps)
 
 
 class HyperConnection(MegatronModule):
@@ -115,7 +151,6 @@ class HyperConnection(MegatronModule):
         comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = torch.softmax(comb_w * comb_scale + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = sinkhorn(comb, self.hc_sinkhorn_iters, self.hc_eps)
+        comb = mixing_matrix(comb_w * comb_scale + comb_b.view(n, n), self.hc_sinkhorn_iters, self.hc_eps)
         block_input = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return post, comb, block_input
