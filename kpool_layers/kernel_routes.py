@@ -219,6 +219,12 @@ class Route:
             self._default = self.resolve()
         return self._default
 
+    def pin(self, name: Optional[str]) -> None:
+        """Make :meth:`default` return backend ``name`` from now on (:meth:`resolve` forced to it:
+        a backend that declines here raises), or with None this machine's automatic choice again;
+        for benchmarks that time two backends of a key in one process."""
+        self._default = None if name is None else self.resolve(forced=name)
+
 
 ROUTES: dict[str, Route] = {}
 """Every registered route by key (registered by the module that owns it)."""

@@ -217,3 +217,17 @@ def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
     assert quantizer("torch", x) is fp8_quant_triton.quantize and quantizer("emulate", x) is fp8.quantize
     assert dequantizer("torch", x) is fp8_dequant_triton.dequantize
     assert torch.equal(hadamard_transform(x, 128**-0.5), hadamard_butterfly(x, 128**-0.5))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU resolution")
+def test_pin_fixes_the_default_until_unpinned() -> None:
+    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+
+    try:
+        with pytest.raises(KernelUnavailable, match="kernel route 'mhc_mixing'=triton cannot run here: no CUDA device"):
+            MIXING_MATRIX.pin("triton")
+        MIXING_MATRIX.pin("torch")
+        assert MIXING_MATRIX.default().backend == "torch" and MIXING_MATRIX.default().forced
+    finally:
+        MIXING_MATRIX.pin(None)
+    assert MIXING_MATRIX.default().backend == "torch" and not MIXING_MATRIX.default().forced

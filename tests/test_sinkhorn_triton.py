@@ -182,3 +182,16 @@ def test_kernel_matches_torch_ops_gpu() -> None:
         pytest.skip("needs a CUDA GPU")
     compare("cuda", 4096)
     refusals("cuda")
+
+
+def test_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
+    """``scripts/bench/mhc.py --small`` (the torch route on the CPU) writes its rows."""
+    import json
+
+    out = tmp_path / "mhc.json"
+    result = subprocess.run([sys.executable, "mhc.py", "--small", "--tokens", "8", "--repeats", "1", "--out", str(out)],
+                            cwd=ROOT / "scripts" / "bench", env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens"] == 8 and row["mixing_torch"]["ms"] > 0 and row["block_torch"]["ms"] > 0

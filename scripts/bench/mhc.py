@@ -1,0 +1,116 @@
+"""Benchmark the mHC hyper-connection of one block: the mixing matrix (row softmax + Sinkhorn)
+alone and the whole ``HyperConnection`` with the stream mixing, forward + backward, with the
+``mhc_mixing`` route on the Triton kernel and on the torch ops, side by side in one run.
+
+Per token count (GLM-5.3's blocks: hidden 4096, 4 streams, 20 Sinkhorn iterations; bf16 streams
+and weights on the GPU, the mixing in FP32 as the model computes it):
+
+    mixing_<backend>  the mixing matrix of ``tokens`` FP32 logits ``[tokens, 4, 4]``
+    block_<backend>   ``HyperConnection`` (stream norm, projection, gates, mixing matrix) and
+                      ``mix_streams`` on a stand-in block output, as a decoder layer runs them
+
+Each entry is the median of ``--repeats`` forward + backward passes after one warm-up (the first
+compiles the kernels), with the extra peak GPU memory; ``block_speedup`` is torch over triton.
+
+    python scripts/bench/mhc.py --tokens 4096 16384 65536 --out runs/mhc.json    # H200
+    python scripts/bench/mhc.py --small --out /tmp/mhc.json                      # tiny, CPU (torch)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any, Callable
+
+import torch
+
+from timing import init_single_rank, measure
+
+GLM53 = dict(hidden=4096, streams=4, iters=20)
+SMALL = dict(hidden=16, streams=4, iters=20)
+
+
+def mixing_step(backend: str, tokens: int, shape: dict[str, Any], device: torch.device) -> Callable[[], None]:
+    """One forward + backward of the mixing matrix on random logits through ``backend``."""
+    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+
+    n = shape["streams"]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(tokens, n, n, generator=gen).to(device).requires_grad_()
+    grad = torch.randn(tokens, n, n, generator=gen).to(device)
+    kernel = MIXING_MATRIX.backend(backend).load()
+    fn = kernel.mixing_matrix if backend == "triton" else kernel
+
+    def step() -> None:
+        fn(logits, shape["iters"], 1e-6).backward(grad)
+        logits.grad = None
+    return step
+
+
+def block_step(tokens: int, shape: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """One forward + backward of ``HyperConnection`` and ``mix_streams`` on ``[tokens, 1, N, h]``
+    streams (the route as pinned by the caller)."""
+    from kpool_layers.config import GLMTransformerConfig
+    from kpool_layers.hyper_connections.mhc import HyperConnection, mix_streams
+
+    n, h = shape["streams"], shape["hidden"]
+    config = GLMTransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=4, params_dtype=dtype,
+                                  bf16=dtype == torch.bfloat16, use_cpu_initialization=device.type != "cuda",
+                                  hc_mult=n, hc_sinkhorn_iters=shape["iters"], hc_eps=1e-6)
+    hc = HyperConnection(config).to(device)
+    gen = torch.Generator().manual_seed(1)
+    streams = torch.randn(tokens, 1, n, h, generator=gen).to(device, dtype).requires_grad_()
+    block_output = torch.randn(tokens, 1, h, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(tokens, 1, n, h, generator=gen).to(device, dtype)
+
+    def step() -> None:
+        post, comb, block_input = hc(streams)
+        (mix_streams(post, comb, block_output * block_input, streams)).backward(grad)
+        hc.zero_grad(set_to_none=True)
+        streams.grad = block_output.grad = None
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 65536])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--small", action="store_true", help="tiny shape (CPU check of the script)")
+    parser.add_argument("--out", help="write the figures as JSON here")
+    args = parser.parse_args()
+
+    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    shape = SMALL if args.small else GLM53
+    backends = ["triton", "torch"] if cuda else ["torch"]
+    init_single_rank(29519)
+    if cuda:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(1234)
+    rows = []
+    for tokens in args.tokens:
+        row: dict[str, Any] = {"tokens": tokens}
+        for backend in backends:
+            row[f"mixing_{backend}"] = measure(mixing_step(backend, tokens, shape, device), args.repeats, cuda)
+            MIXING_MATRIX.pin(backend)
+            try:
+                row[f"block_{backend}"] = measure(block_step(tokens, shape, dtype, device), args.repeats, cuda)
+            finally:
+                MIXING_MATRIX.pin(None)
+        if cuda and row["block_triton"].get("ms") and row["block_torch"].get("ms"):
+            row["block_speedup"] = row["block_torch"]["ms"] / row["block_triton"]["ms"]
+            row["mixing_speedup"] = row["mixing_torch"]["ms"] / row["mixing_triton"]["ms"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    summary = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype), "shape": shape,
+               "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
