@@ -8,7 +8,7 @@ exact; against a float64 evaluation of the torch ops, the kernel's largest error
 twice the torch FP32 ops' own largest error (the flash-attention rule: a fused kernel is as
 accurate as the reference it replaces) plus ``N`` roundings of the largest value: a sum of ``N``
 terms in another order differs by up to ``N - 1`` roundings, the division adds one, and the
-largest error over a case's matrices (128 interpreted, 4096 on the GPU) is a sampled statistic.
+largest error over a case's matrices (32 interpreted, 4096 on the GPU) is a sampled statistic.
 
 On the CPU the kernel runs under Triton's interpreter in a subprocess (``TRITON_INTERPRET=1`` must be
 set before triton is imported); GPU cases are marked ``gpu``.
@@ -41,7 +41,7 @@ def cases(device: str, matrices: int) -> list[tuple[str, torch.Tensor, torch.Ten
             logits = torch.randn(matrices, n, n, generator=g) * std
             out.append((f"n={n} iters={iters} eps={eps} std={std}", logits, torch.randn(matrices, n, n, generator=g),
                         iters, eps))
-    lead = torch.randn(4, 8, 16, 4, 4, generator=g)
+    lead = torch.randn(2, 4, matrices // 8, 4, 4, generator=g)
     out.append(("leading dims", lead, torch.randn(lead.shape, generator=g), 20, 1e-6))
     transposed = torch.randn(matrices, 4, 4, generator=g).transpose(-1, -2)
     out.append(("non-contiguous", transposed, torch.randn(transposed.shape, generator=g), 20, 1e-6))
@@ -71,9 +71,9 @@ def errors(logits: torch.Tensor, grad: torch.Tensor, iters: int, eps: float, ker
     return out
 
 
-def compare(device: str, matrices: int) -> None:
+def compare(device: str, matrices: int, reruns: bool) -> None:
     """Assert the kernel within the module docstring's bound, forward and gradient, every case of
-    ``matrices`` matrices; a second run gives the same bits."""
+    ``matrices`` matrices; with ``reruns`` a second run gives the same bits."""
     from kpool_layers.kernels.sinkhorn_triton import mixing_matrix
 
     worst = 0.0
@@ -85,9 +85,10 @@ def compare(device: str, matrices: int) -> None:
             assert fused <= bound, f"{what} {name}: kernel error {fused:.3e} > bound {bound:.3e} (torch ops {ops:.3e})"
             worst = max(worst, fused / bound) if bound else worst
             print(f"{what} {name}: kernel {fused:.2e} torch {ops:.2e} bound {bound:.2e}")
-        again = forward_and_gradient(mixing_matrix, logits, grad, iters, eps)
-        first = forward_and_gradient(mixing_matrix, logits, grad, iters, eps)
-        assert all(torch.equal(a, b) for a, b in zip(first, again)), f"{name}: reruns differ"
+        if reruns:
+            first = forward_and_gradient(mixing_matrix, logits, grad, iters, eps)
+            again = forward_and_gradient(mixing_matrix, logits, grad, iters, eps)
+            assert all(torch.equal(a, b) for a, b in zip(first, again)), f"{name}: reruns differ"
     print(f"kernel within its bound in {len(all_cases)} cases (largest error / bound {worst:.2f})")
 
 
@@ -168,7 +169,7 @@ def test_kernel_leaves_eighteen_launches_of_the_446(monkeypatch: pytest.MonkeyPa
 
 def test_kernel_matches_torch_ops_interpreted() -> None:
     """The interpreter cases and the launch counts in a subprocess (``TRITON_INTERPRET=1``)."""
-    script = "import tests.test_sinkhorn_triton as t\nt.compare('cpu', 128); t.refusals('cpu')\n"
+    script = "import tests.test_sinkhorn_triton as t\nt.compare('cpu', 32, reruns=False); t.refusals('cpu')\n"
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=1200)
@@ -176,11 +177,33 @@ def test_kernel_matches_torch_ops_interpreted() -> None:
     assert "kernel within its bound in 22 cases" in result.stdout, result.stdout
 
 
+@pytest.mark.parametrize("n", [1, 3, 4, 8])
+def test_kernels_compile_for_hopper(n: int) -> None:
+    """Both kernels compile to an sm_90 cubin on the CPU (Triton's compiler and ptxas need no GPU):
+    typing errors of the compiled language that the interpreter lets pass (a name bound to two
+    shapes in the branches of a runtime ``if``) fail here."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kpool_layers.kernels import sinkhorn_triton
+
+    np_ = triton.next_power_of_2(n)
+    constants = {"ITERS": 20, "N": n, "NP": np_, "BLOCK": max(1, sinkhorn_triton.BLOCK_ENTRIES // np_**2),
+                 "LIBDEVICE": True}
+    for kernel, pointers in ((sinkhorn_triton._forward_kernel, ["logits_ptr", "out_ptr"]),
+                             (sinkhorn_triton._backward_kernel, ["logits_ptr", "grad_ptr", "out_ptr"])):
+        signature = {**{p: "*fp32" for p in pointers}, "M": "i32", "eps": "fp32", **{c: "constexpr" for c in constants}}
+        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        assert compiled.asm["cubin"], kernel
+
+
 @pytest.mark.gpu
 def test_kernel_matches_torch_ops_gpu() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    compare("cuda", 4096)
+    compare("cuda", 4096, reruns=True)
     refusals("cuda")
 
 

@@ -51,11 +51,16 @@ def _exp(x, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _divisor(x, eps, AXIS: tl.constexpr):
+    """The sums of ``x [BLOCK, NP, NP]`` over ``AXIS`` (1: columns, 2: rows) plus ``eps``, kept
+    as a size-1 axis."""
+    return tl.expand_dims(tl.sum(x, axis=AXIS), AXIS) + eps
+
+
+@triton.jit
 def _normalise(x, eps, AXIS: tl.constexpr):
-    """``x [BLOCK, NP, NP]`` divided by its sums over ``AXIS`` (1: columns, 2: rows) plus ``eps``;
-    returns the result and the divisors."""
-    d = tl.expand_dims(tl.sum(x, axis=AXIS), AXIS) + eps
-    return tl.math.div_rn(x, d), d
+    """``x`` divided by :func:`_divisor` (IEEE division)."""
+    return tl.math.div_rn(x, _divisor(x, eps, AXIS))
 
 
 @triton.jit
@@ -76,12 +81,12 @@ def _steps(c, eps, count):
     """``count`` normalisations of ``c`` from step 0 (column, row, column, ...)."""
     x = c
     if count > 0:
-        x, _ = _normalise(x, eps, 1)
+        x = _normalise(x, eps, 1)
         for _ in range((count - 1) // 2):
-            x, _ = _normalise(x, eps, 2)
-            x, _ = _normalise(x, eps, 1)
+            x = _normalise(x, eps, 2)
+            x = _normalise(x, eps, 1)
         if (count - 1) % 2 == 1:
-            x, _ = _normalise(x, eps, 2)
+            x = _normalise(x, eps, 2)
     return x
 
 
@@ -117,12 +122,14 @@ def _backward_kernel(logits_ptr, grad_ptr, out_ptr, M, eps, ITERS: tl.constexpr,
     for i in range(2 * ITERS - 1):
         t = 2 * ITERS - 2 - i
         x = _steps(c, eps, t)
-        if t % 2 == 0:
-            y, d = _normalise(x, eps, 1)
-            dy = tl.math.div_rn(dy - tl.expand_dims(tl.sum(dy * y, axis=1), 1), d)
-        else:
-            y, d = _normalise(x, eps, 2)
-            dy = tl.math.div_rn(dy - tl.expand_dims(tl.sum(dy * y, axis=2), 2), d)
+        if t % 2 == 0:  # columns: divisors [BLOCK, 1, NP]
+            d_col = _divisor(x, eps, 1)
+            y_col = tl.math.div_rn(x, d_col)
+            dy = tl.math.div_rn(dy - tl.expand_dims(tl.sum(dy * y_col, axis=1), 1), d_col)
+        else:  # rows: divisors [BLOCK, NP, 1]
+            d_row = _divisor(x, eps, 2)
+            y_row = tl.math.div_rn(x, d_row)
+            dy = tl.math.div_rn(dy - tl.expand_dims(tl.sum(dy * y_row, axis=2), 2), d_row)
         dy = tl.where(valid, dy, 0.0)  # padded entries: no gradient (the sums' term would reach them)
     dl = p * (dy - tl.expand_dims(tl.sum(dy * p, axis=2), 2))
     tl.store(out_ptr + offs, dl, mask=mask)
