@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from timing import init_single_rank, measure
+from timing import bench_device, measure
 
 GLM53 = dict(hidden=4096, heads=64, head_dim=128, taps=4, lower_bound=-5.0)
 SMALL = dict(hidden=32, heads=2, head_dim=8, taps=4, lower_bound=-5.0)
@@ -113,15 +113,9 @@ def main() -> None:
     from kpool_layers.linear_attention.backends import chunk_kda_fla
     from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    cuda, device, dtype = bench_device(29517)
     shape = SMALL if args.small else GLM53
     backends = ["fla", "torch"] if cuda else ["torch"]
-    init_single_rank(29517)
-    if cuda:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(1234)
     rows = []
     for s in args.seq:
         row: dict[str, Any] = {"seq": s, "delta_rule_gflop": delta_rule_flops(s, shape) / 1e9}

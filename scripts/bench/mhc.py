@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from timing import init_single_rank, measure
+from timing import bench_device, measure
 
 GLM53 = dict(hidden=4096, streams=4, iters=20)
 SMALL = dict(hidden=16, streams=4, iters=20)
@@ -81,15 +81,9 @@ def main() -> None:
 
     from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
+    cuda, device, dtype = bench_device(29519)
     shape = SMALL if args.small else GLM53
     backends = ["triton", "torch"] if cuda else ["torch"]
-    init_single_rank(29519)
-    if cuda:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-        model_parallel_cuda_manual_seed(1234)
     rows = []
     for tokens in args.tokens:
         row: dict[str, Any] = {"tokens": tokens}

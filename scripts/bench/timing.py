@@ -33,6 +33,17 @@ def init_single_rank(port: int) -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
+def bench_device(port: int) -> tuple[bool, torch.device, torch.dtype]:
+    """:func:`init_single_rank` and, on a GPU, megatron's model-parallel RNG seeded (1234); returns
+    whether CUDA runs the benchmark, its device and its dtype (bf16 on the GPU, fp32 on the CPU)."""
+    cuda = torch.cuda.is_available()
+    init_single_rank(port)
+    if cuda:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(1234)
+    return cuda, torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+
+
 def measure(step: Callable[[], Any], repeats: int, cuda: bool) -> dict[str, Any]:
     """Median ms of ``step`` after one warm-up and its extra peak GPU memory in MiB (peak minus what
     was allocated before the step; None on CPU); ``OOM`` when the GPU runs out of memory."""
