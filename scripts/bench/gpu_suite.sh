@@ -15,11 +15,29 @@
 #   glm53 (on request) = the mHC block with the Triton mixing kernel and the torch ops (mhc.py), the KDA
 #   delta rule and layer at 4K/16K/64K (kda.py; fla autotunes on first use), a glm5_3_proxy step
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
+# Autotuning: Triton keeps each autotuned kernel's timings in its cache (`*.autotune.json`; fla's KDA
+# kernels autotune on first use, minutes on a fresh machine). The suite copies those of an earlier
+# run from KPOOL_AUTOTUNE_IN (default .triton-autotune/ in the checkout, git-ignored) into the cache
+# first, and saves this run's to OUT_DIR/triton-autotune; the next run on the same software and GPU
+# then compiles only the configurations chosen (the cache keys hash triton, the GPU target, the
+# kernel source and the environment, so anything else autotunes again).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
 shift
 parts=${*:-tests attention kpool moe proxy train}
 mkdir -p "$out"
+triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+autotune_in=${KPOOL_AUTOTUNE_IN:-.triton-autotune}
+if [ -d "$autotune_in" ]; then
+  mkdir -p "$triton_cache" && cp -r "$autotune_in"/. "$triton_cache"/
+  echo "autotuning results from $autotune_in: $(find "$autotune_in" -name '*.autotune.json' | wc -l) kernels"
+fi
+save_autotune() {
+  [ -d "$triton_cache" ] || return 0
+  (cd "$triton_cache" && find . -name '*.autotune.json' -exec cp --parents {} "$out/triton-autotune/" \;)
+}
+mkdir -p "$out/triton-autotune"
+trap save_autotune EXIT
 export PYTHONUNBUFFERED=1 WANDB_SILENT=true
 py=${KPOOL_PYTHON:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
