@@ -64,6 +64,7 @@ from recipes.hf.io import (  # noqa: E402
     stored_dtypes,
 )
 from recipes.hf.mapping import Mapping, TensorMap, build_mapping, check_hf_names  # noqa: E402
+from recipes.launch.distributed import free_port  # noqa: E402
 from recipes.checkpoint.manifest import code_version, verify, write_manifest  # noqa: E402
 from recipes.hf.convert_checks import (check_export_paths, check_output_dir,  # noqa: E402
                                        check_single_checkpoint, one_line)
@@ -118,12 +119,7 @@ def init_single_rank() -> None:
     _cpu.install()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if "MASTER_PORT" not in os.environ:
-            import socket
-
-            with socket.socket() as sock:  # a free port: another converter may hold any fixed one
-                sock.bind(("127.0.0.1", 0))
-                os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ.setdefault("MASTER_PORT", str(free_port()))  # another converter may hold a fixed one
         dist.init_process_group("gloo", rank=0, world_size=1)
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=1)

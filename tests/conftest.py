@@ -4,20 +4,14 @@ state for layer tests."""
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 
 from kpool_layers.compat import cpu as _cpu
+from recipes.launch.distributed import free_port  # noqa: F401 - tests import it from here
 
 _cpu.install()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

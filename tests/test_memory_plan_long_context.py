@@ -28,10 +28,10 @@ def proxy():
     from recipes.train.model import build_gpt_model, meta_init
     from tests.conftest import free_port
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = str(free_port())
+    saved = {key: os.environ.get(key) for key in ("MASTER_ADDR", "MASTER_PORT")}
     created = not dist.is_initialized()
     if created:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel()
@@ -43,6 +43,11 @@ def proxy():
     ps.destroy_model_parallel()
     if created:
         dist.destroy_process_group()
+    for key, value in saved.items():  # later tests' subprocesses must not inherit this group's port
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _stage(proxy, *overrides: str) -> memory_plan.StageMemory:

@@ -212,8 +212,11 @@ def test_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
     import json
 
     out = tmp_path / "mhc.json"
+    # no inherited rendezvous: a group this process still holds may own that MASTER_PORT
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT)
     result = subprocess.run([sys.executable, "mhc.py", "--small", "--tokens", "8", "--repeats", "1", "--out", str(out)],
-                            cwd=ROOT / "scripts" / "bench", env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            cwd=ROOT / "scripts" / "bench", env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]

@@ -78,7 +78,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=154880)
     parser.add_argument("--out")
     args = parser.parse_args()
-    init_single_rank(29517)
+    init_single_rank()
     g = torch.Generator(device="cuda").manual_seed(0)
     kept = (torch.randn(args.seq, 1, args.vocab, device="cuda", generator=g) * 3).bfloat16()
     labels = torch.randint(0, args.vocab, (args.seq, 1), device="cuda", generator=g)

@@ -113,7 +113,7 @@ def main() -> None:
     from kpool_layers.linear_attention.backends import chunk_kda_fla
     from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
 
-    cuda, device, dtype = bench_device(29517)
+    cuda, device, dtype = bench_device()
     shape = SMALL if args.small else GLM53
     backends = ["fla", "torch"] if cuda else ["torch"]
     rows = []

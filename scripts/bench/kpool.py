@@ -169,7 +169,7 @@ def main() -> None:
     args = parser.parse_args()
 
     _cpu.install()
-    init_single_rank(29517)
+    init_single_rank()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -81,7 +81,7 @@ def main() -> None:
 
     from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
 
-    cuda, device, dtype = bench_device(29519)
+    cuda, device, dtype = bench_device()
     shape = SMALL if args.small else GLM53
     backends = ["triton", "torch"] if cuda else ["torch"]
     rows = []

@@ -171,14 +171,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path")
-    parser.add_argument("--port", type=int, default=29517, help="MASTER_PORT of the one-rank group")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_experts.py needs a CUDA GPU (grouped_mm, Triton)")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from timing import init_single_rank
 
-    init_single_rank(args.port)
+    init_single_rank()
     rows = bench_experts() + bench_experts_fp8() + bench_quantization()
     print(table(rows))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,

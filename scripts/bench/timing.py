@@ -21,23 +21,26 @@ CONF = Path(__file__).resolve().parents[2] / "conf"
 OOM = {"ms": None, "peak_mib": None, "oom": True}
 
 
-def init_single_rank(port: int) -> None:
-    """A one-process NCCL (GPU) or gloo (CPU) group and megatron's parallel state at TP = 1."""
+def init_single_rank() -> None:
+    """A one-process NCCL (GPU) or gloo (CPU) group and megatron's parallel state at TP = 1; its
+    rendezvous port is ``MASTER_PORT`` if set, else a free one (two benchmarks on a host coexist)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from recipes.launch.distributed import free_port
+
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     ps.initialize_model_parallel(tensor_model_parallel_size=1)
 
 
-def bench_device(port: int) -> tuple[bool, torch.device, torch.dtype]:
+def bench_device() -> tuple[bool, torch.device, torch.dtype]:
     """:func:`init_single_rank` and, on a GPU, megatron's model-parallel RNG seeded (1234); returns
     whether CUDA runs the benchmark, its device and its dtype (bf16 on the GPU, fp32 on the CPU)."""
     cuda = torch.cuda.is_available()
-    init_single_rank(port)
+    init_single_rank()
     if cuda:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(1234)
