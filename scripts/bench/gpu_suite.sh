@@ -18,14 +18,17 @@
 # Autotuning: Triton keeps each autotuned kernel's timings in its cache (`*.autotune.json`; fla's KDA
 # kernels autotune on first use, minutes on a fresh machine). The suite copies those of an earlier
 # run from KPOOL_AUTOTUNE_IN (default .triton-autotune/ in the checkout, git-ignored) into the cache
-# first, and saves this run's to OUT_DIR/triton-autotune; the next run on the same software and GPU
-# then compiles only the configurations chosen (the cache keys hash triton, the GPU target, the
-# kernel source and the environment, so anything else autotunes again).
+# first, and saves this run's as one archive, OUT_DIR/triton-autotune.tgz (unpack it with
+# `mkdir -p .triton-autotune && tar xzf OUT_DIR/triton-autotune.tgz -C .triton-autotune`); the next
+# run on the same software and GPU then compiles only the configurations chosen (the cache keys
+# hash triton, the GPU target, the kernel source and the environment, so anything else autotunes
+# again).
 set -uo pipefail
 out=${1:?usage: gpu_suite.sh OUT_DIR [parts...]}
 shift
 parts=${*:-tests attention kpool moe proxy train}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the archive is written from inside the cache
 triton_cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 autotune_in=${KPOOL_AUTOTUNE_IN:-.triton-autotune}
 if [ -d "$autotune_in" ]; then
@@ -34,9 +37,8 @@ if [ -d "$autotune_in" ]; then
 fi
 save_autotune() {
   [ -d "$triton_cache" ] || return 0
-  (cd "$triton_cache" && find . -name '*.autotune.json' -exec cp --parents {} "$out/triton-autotune/" \;)
+  (cd "$triton_cache" && find . -name '*.autotune.json' | tar czf "$out/triton-autotune.tgz" -T -)
 }
-mkdir -p "$out/triton-autotune"
 trap save_autotune EXIT
 export PYTHONUNBUFFERED=1 WANDB_SILENT=true
 py=${KPOOL_PYTHON:-python3}
