@@ -36,10 +36,14 @@ def cases(device: str) -> list[tuple[str, torch.Tensor, str]]:
     act[2, 128:131] = torch.tensor([448.0, 2.0**-8, 3 * 2.0**-10])  # subnormals in the 2nd tile
     weight = torch.randn(130, 200, generator=g) * 0.02
     weight[129, 199] = 3.0  # a partial 128x128 block whose amax is a lone element
+    tokens = torch.randn(300, 136, generator=g) * torch.logspace(-2, 1, 136)  # the wgrad's x^T
     out = [("act", act, "activation"), ("act_bf16", act.to(torch.bfloat16), "activation"),
            ("act_3d", torch.randn(2, 3, 128, generator=g), "activation"),
-           ("weight", weight, "weight"), ("weight_bf16", weight.to(torch.bfloat16), "weight")]
-    return [(n, t.to(device), o) for n, t, o in out]
+           ("act_transposed", tokens.t(), "activation"),
+           ("act_transposed_bf16", tokens.to(torch.bfloat16).t(), "activation"),
+           ("weight", weight, "weight"), ("weight_bf16", weight.to(torch.bfloat16), "weight"),
+           ("weight_transposed", weight.t(), "weight")]
+    return [(n, t.to(device), o) for n, t, o in out]  # .to keeps a transpose's strides
 
 
 def compare(device: str) -> None:
@@ -68,6 +72,57 @@ def compare(device: str) -> None:
             where = f"empty {shape} {operand} {recipe}"
             assert (q.dtype, q.shape, s.dtype, s.shape) == (ref_q.dtype, ref_q.shape, ref_s.dtype, ref_s.shape), where
     print("fused == reference")
+
+
+def test_a_transposed_operand_is_read_in_place(monkeypatch):
+    """``quantize(g.t())`` (the FP8 wgrad's operands) hands the kernel ``g``'s own storage with the
+    transpose's strides, not a contiguous copy; a 3-D view that no 2-D view can express is reshaped
+    (copied) first. The kernel itself is replaced by a recorder: no Triton launch."""
+    from kpool_layers.kernels import fp8_quant_triton as fused
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda x2, *args, **meta: launches.append((x2.data_ptr(), args[8:10]))
+
+    monkeypatch.setattr(fused, "_quantize_kernel", Recorder())
+    g = torch.randn(300, 256)
+    fused.quantize(g.t(), "blockwise", "activation")
+    assert launches == [(g.data_ptr(), (1, 256))]
+    launches.clear()
+    x = torch.randn(4, 6, 128).permute(1, 0, 2)  # [6, 4, 128]: rows 4 * 6 not one stride apart
+    fused.quantize(x, "blockwise", "activation")
+    assert launches[0][0] != x.data_ptr() and launches[0][1] == (128, 1)
+
+
+@pytest.mark.parametrize("unit_stride", ["stride_xk", "stride_xm"])
+def test_both_layouts_compile_to_vector_loads_for_hopper(unit_stride: str) -> None:
+    """The ROW-mode kernel (blockwise activations) compiles to an sm_90 cubin on the CPU for a
+    row-major operand (``stride_xk`` = 1, which Triton's launcher specializes) and for a transpose
+    (``stride_xm`` = 1), with the divisibility-by-16 facts the launcher passes for such shapes: both
+    read bf16 in 16-byte vector loads (``ld.global.v4.b32``; the transpose's tile is laid out along
+    its unit-stride rows, then converted through shared memory for the row-major store), none
+    element by element."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kpool_layers.kernels import fp8_quant_triton as fused
+
+    names = ["x_ptr", "q_ptr", "s_ptr", "amax_ptr", "M", "K", "GROUP", "n_groups", "n_amax",
+             "stride_xm", "stride_xk", "stride_q"]
+    constants = {"MODE": fused.ROW, "BLOCK_M": 32, "CHUNK": 128, "UE8M0": True, "LIBDEVICE": True, unit_stride: 1}
+    signature = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "amax_ptr": "*fp32",
+                 **{n: "i32" for n in names[4:]}, **{c: "constexpr" for c in constants}}
+    divisible = ("x_ptr", "q_ptr", "s_ptr", "amax_ptr", "M", "K", "GROUP", "stride_xm", "stride_xk", "stride_q")
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in divisible if n != unit_stride}
+    compiled = triton.compile(ASTSource(fn=fused._quantize_kernel, signature=signature, constexprs=constants,
+                                        attrs=attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    loads = re.findall(r"ld\.global[.\w]*", compiled.asm["ptx"])
+    assert compiled.asm["cubin"] and loads and set(loads) == {"ld.global.v4.b32"}, loads
 
 
 def test_fused_quantize_matches_reference_interpreted():
@@ -103,6 +158,12 @@ def test_fused_quantization_kernel_count_and_matmul(recipe, monkeypatch):
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert len(kernels) == (2 if recipe == "tensorwise" else 1), [e.name for e in kernels]
+    if recipe == "blockwise":  # the FP8 wgrad's transposed operand: read in place, one kernel
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fused.quantize(x.t(), recipe, "activation")
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        assert len(kernels) == 1, [e.name for e in kernels]
     got = precision.quantized_matmul(x, w, recipe, "torch")
     monkeypatch.setattr(precision, "quantizer", lambda backend, t: fp8.quantize)
     assert torch.equal(got, precision.quantized_matmul(x, w, recipe, "torch"))

@@ -14,8 +14,10 @@ reference, used by the ``emulate`` backend) and returns the same bytes and scale
   rowwise 1xK, tensorwise MxK; partial edge tiles use the amax of their own elements.
 
 Layouts: ``x [..., K]`` (activation; leading dims flattened into rows ``M``) or ``[N, K]``
-(weight), any float dtype, loaded as FP32; returns ``q`` float8_e4m3fn of ``x``'s shape and
-``scale`` FP32 ``[ceil(M / tile rows), ceil(K / tile cols)]``.
+(weight), any float dtype and any strides, loaded as FP32: a 2-D view such as a transpose
+``g.t()`` (the FP8 wgrad's ``dy^T`` and ``x^T``) is read in place through its row and column
+strides, with no contiguous copy first; returns ``q`` float8_e4m3fn of ``x``'s shape (row-major)
+and ``scale`` FP32 ``[ceil(M / tile rows), ceil(K / tile cols)]``.
 
 One kernel, four modes (``MODE``), over programs that each own ``BLOCK_M`` rows of one column
 group (``GROUP`` columns, read in ``CHUNK``-wide pieces, twice: amax pass, cast pass):
@@ -53,7 +55,7 @@ def _scale(amax, UE8M0: tl.constexpr, LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, amax_ptr, M, K, GROUP, n_groups, n_amax, stride_x, stride_q,
+    x_ptr, q_ptr, s_ptr, amax_ptr, M, K, GROUP, n_groups, n_amax, stride_xm, stride_xk, stride_q,
     MODE: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, UE8M0: tl.constexpr,
     LIBDEVICE: tl.constexpr,
 ):
@@ -61,7 +63,7 @@ def _quantize_kernel(
     pid_g = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < M
-    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_x
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     q_rows = q_ptr + rows.to(tl.int64)[:, None] * stride_q
     start = pid_g * GROUP
     end = tl.minimum(start + GROUP, K)
@@ -78,7 +80,7 @@ def _quantize_kernel(
         for c in range(start, end, CHUNK):
             cols = c + tl.arange(0, CHUNK)
             mask = row_ok[:, None] & (cols < end)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         if MODE == 2:  # AMAX
             tl.store(amax_ptr + pid_m, tl.max(amax, axis=0))
@@ -93,7 +95,7 @@ def _quantize_kernel(
         for c in range(start, end, CHUNK):
             cols = c + tl.arange(0, CHUNK)
             mask = row_ok[:, None] & (cols < end)[None, :]
-            v = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(x_rows + cols.to(tl.int64)[None, :] * stride_xk, mask=mask, other=0.0).to(tl.float32)
             q = tl.clamp(tl.math.div_rn(v, scale), -448.0, 448.0)
             tl.store(q_rows + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
 
@@ -121,9 +123,7 @@ def quantize(
     if x.numel() == 0:  # no rows or no columns: no element reads the scales (ones, as fp8.quantize)
         return (torch.empty(x.shape, dtype=out_dtype, device=x.device),
                 torch.ones((triton.cdiv(m, tr), triton.cdiv(k, tc)), dtype=torch.float32, device=x.device))
-    x2 = x.reshape(m, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = x.reshape(m, k)  # a view where the strides allow one (any 2-D x), else a copy
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     n_groups = triton.cdiv(k, tc)
     scale = torch.empty((triton.cdiv(m, tr), n_groups), dtype=torch.float32, device=x.device)
@@ -135,16 +135,16 @@ def quantize(
         chunk = min(triton.next_power_of_2(k), 512)
         amax = torch.empty(grid[0], dtype=torch.float32, device=x.device)
         for mode in (AMAX, GLOBAL):
-            _quantize_kernel[grid](x2, q, scale, amax, m, k, k, 1, grid[0], x2.stride(0), q.stride(0),
+            _quantize_kernel[grid](x2, q, scale, amax, m, k, k, 1, grid[0], x2.stride(0), x2.stride(1), q.stride(0),
                                    MODE=mode, BLOCK_M=block_m, CHUNK=chunk, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=4)
     elif tr == fp8_format.BLOCK:  # blockwise weight: one scale per 128x128 block
         _quantize_kernel[(scale.shape[0], n_groups)](
-            x2, q, scale, scale, m, k, fp8_format.BLOCK, n_groups, 0, x2.stride(0), q.stride(0),
+            x2, q, scale, scale, m, k, fp8_format.BLOCK, n_groups, 0, x2.stride(0), x2.stride(1), q.stride(0),
             MODE=TILE, BLOCK_M=fp8_format.BLOCK, CHUNK=fp8_format.BLOCK, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=8)
     else:  # one scale per row of each group: blockwise activation (1x128), rowwise (1xK)
         chunk = min(triton.next_power_of_2(tc), 512)
         block_m = max(1, 4096 // chunk)
         _quantize_kernel[(triton.cdiv(m, block_m), n_groups)](
-            x2, q, scale, scale, m, k, tc, n_groups, 0, x2.stride(0), q.stride(0),
+            x2, q, scale, scale, m, k, tc, n_groups, 0, x2.stride(0), x2.stride(1), q.stride(0),
             MODE=ROW, BLOCK_M=block_m, CHUNK=chunk, UE8M0=ue8m0, LIBDEVICE=libdevice_math, num_warps=4)
     return q.reshape(x.shape), scale
