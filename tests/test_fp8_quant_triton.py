@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -83,7 +84,7 @@ def test_a_transposed_operand_is_read_in_place(monkeypatch):
     launches = []
 
     class Recorder:
-        def __getitem__(self, grid):
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
             return lambda x2, *args, **meta: launches.append((x2.data_ptr(), args[8:10]))
 
     monkeypatch.setattr(fused, "_quantize_kernel", Recorder())

@@ -52,13 +52,39 @@ def collapse_streams(streams: Tensor) -> Tensor:
     return streams.mean(dim=-2)
 
 
-def mix_streams(post: Tensor, comb: Tensor, block_output: Tensor, streams: Tensor) -> Tensor:
-    """The streams after a block: ``post (x) block_output + comb^T @ streams`` in the streams'
-    dtype; ``post [..., N]``, ``comb [..., N, N]``, ``block_output [..., h]``,
-    ``streams [..., N, h]`` -> ``[..., N, h]``."""
+def torch_mix_streams(post: Tensor, comb: Tensor, block_output: Tensor, streams: Tensor) -> Tensor:
+    """The streams after a block in torch ops (transformers' order): ``post (x) block_output +
+    comb^T @ streams`` in the streams' dtype; ``post [..., N]``, ``comb [..., N, N]``,
+    ``block_output [..., h]``, ``streams [..., N, h]`` -> ``[..., N, h]``."""
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_output.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), streams)
+
+
+def _mix_triton() -> ModuleType:
+    from kpool_layers.kernels import mhc_mix_triton
+
+    return mhc_mix_triton
+
+
+STREAM_MIX = register(Route("mhc_stream_mix", (
+    KernelBackend("triton", _mix_triton, "post (x) block output + comb^T @ streams in one Triton kernel forward, "
+                  "one backward (BF16/FP32 streams, N <= 8)", declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: torch_mix_streams, "torch ops: a broadcast multiply, a batched matmul, an add"),
+), summary="mHC stream mixing after a block"))
+"""``mhc_stream_mix``: the Triton kernel module (its ``supports`` and ``mix_streams`` looked up per
+call) or :func:`torch_mix_streams`."""
+
+
+def mix_streams(post: Tensor, comb: Tensor, block_output: Tensor, streams: Tensor) -> Tensor:
+    """The streams after a block, ``post (x) block_output + comb^T @ streams`` (shapes and dtype as
+    :func:`torch_mix_streams`), through :data:`STREAM_MIX`: the same roundings to the streams' dtype
+    on either route, FP32 sums in another order on the kernel
+    (:mod:`kpool_layers.kernels.mhc_mix_triton`); tensors the kernel does not take run the torch ops."""
+    route = STREAM_MIX.default()
+    if route.backend == "triton" and route.kernel.supports(post, comb, block_output, streams):
+        return route.kernel.mix_streams(post, comb, block_output, streams)
+    return torch_mix_streams(post, comb, block_output, streams)
 
 
 def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:

@@ -1,16 +1,19 @@
 """Benchmark the mHC hyper-connection of one block: the mixing matrix (row softmax + Sinkhorn)
-alone and the whole ``HyperConnection`` with the stream mixing, forward + backward, with the
-``mhc_mixing`` route on the Triton kernel and on the torch ops, side by side in one run.
+alone, the stream mixing alone and the whole ``HyperConnection`` with the stream mixing, forward +
+backward, with the ``mhc_mixing`` and ``mhc_stream_mix`` routes on their Triton kernels and on the
+torch ops, side by side in one run.
 
 Per token count (GLM-5.3's blocks: hidden 4096, 4 streams, 20 Sinkhorn iterations; bf16 streams
 and weights on the GPU, the mixing in FP32 as the model computes it):
 
     mixing_<backend>  the mixing matrix of ``tokens`` FP32 logits ``[tokens, 4, 4]``
+    mix_<backend>     ``post (x) block output + comb^T @ streams`` on ``[tokens, 4, hidden]`` streams
     block_<backend>   ``HyperConnection`` (stream norm, projection, gates, mixing matrix) and
-                      ``mix_streams`` on a stand-in block output, as a decoder layer runs them
+                      ``mix_streams`` on a stand-in block output, as a decoder layer runs them,
+                      both routes on ``<backend>``
 
 Each entry is the median of ``--repeats`` forward + backward passes after one warm-up (the first
-compiles the kernels), with the extra peak GPU memory; ``block_speedup`` is torch over triton.
+compiles the kernels), with the extra peak GPU memory; ``*_speedup`` is torch over triton.
 
     python scripts/bench/mhc.py --tokens 4096 16384 65536 --out runs/mhc.json    # H200
     python scripts/bench/mhc.py --small --out /tmp/mhc.json                      # tiny, CPU (torch)
@@ -47,6 +50,27 @@ def mixing_step(backend: str, tokens: int, shape: dict[str, Any], device: torch.
     return step
 
 
+def mix_step(backend: str, tokens: int, shape: dict[str, Any], dtype: torch.dtype,
+             device: torch.device) -> Callable[[], None]:
+    """One forward + backward of the stream mixing on ``[tokens, N, h]`` streams through ``backend``."""
+    from kpool_layers.hyper_connections.mhc import STREAM_MIX
+
+    n, h = shape["streams"], shape["hidden"]
+    gen = torch.Generator().manual_seed(2)
+    post = (2 * torch.sigmoid(torch.randn(tokens, n, generator=gen))).to(device).requires_grad_()
+    comb = torch.softmax(torch.randn(tokens, n, n, generator=gen), dim=-2).to(device).requires_grad_()
+    block_output = torch.randn(tokens, h, generator=gen).to(device, dtype).requires_grad_()
+    streams = torch.randn(tokens, n, h, generator=gen).to(device, dtype).requires_grad_()
+    grad = torch.randn(tokens, n, h, generator=gen).to(device, dtype)
+    kernel = STREAM_MIX.backend(backend).load()
+    fn = kernel.mix_streams if backend == "triton" else kernel
+
+    def step() -> None:
+        fn(post, comb, block_output, streams).backward(grad)
+        post.grad = comb.grad = block_output.grad = streams.grad = None
+    return step
+
+
 def block_step(tokens: int, shape: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
     """One forward + backward of ``HyperConnection`` and ``mix_streams`` on ``[tokens, 1, N, h]``
     streams (the route as pinned by the caller)."""
@@ -79,7 +103,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
-    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX, STREAM_MIX
 
     cuda, device, dtype = bench_device()
     shape = SMALL if args.small else GLM53
@@ -89,14 +113,17 @@ def main() -> None:
         row: dict[str, Any] = {"tokens": tokens}
         for backend in backends:
             row[f"mixing_{backend}"] = measure(mixing_step(backend, tokens, shape, device), args.repeats, cuda)
+            row[f"mix_{backend}"] = measure(mix_step(backend, tokens, shape, dtype, device), args.repeats, cuda)
             MIXING_MATRIX.pin(backend)
+            STREAM_MIX.pin(backend)
             try:
                 row[f"block_{backend}"] = measure(block_step(tokens, shape, dtype, device), args.repeats, cuda)
             finally:
                 MIXING_MATRIX.pin(None)
-        if cuda and row["block_triton"].get("ms") and row["block_torch"].get("ms"):
-            row["block_speedup"] = row["block_torch"]["ms"] / row["block_triton"]["ms"]
-            row["mixing_speedup"] = row["mixing_torch"]["ms"] / row["mixing_triton"]["ms"]
+                STREAM_MIX.pin(None)
+        for what in ("block", "mixing", "mix"):
+            if cuda and row[f"{what}_triton"].get("ms") and row[f"{what}_torch"].get("ms"):
+                row[f"{what}_speedup"] = row[f"{what}_torch"]["ms"] / row[f"{what}_triton"]["ms"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype), "shape": shape,
