@@ -12,8 +12,9 @@
 #   fp8_cache (on request) = graphed glm5_proxy steps at global batch 2 and 8: bf16,
 #   serving_match, and fp8 with each train.fp8_weight_cache choice;
 #   train_graphed (on request) = 20 graphed serving_match train.py steps with a drift step every 5
-#   glm53 (on request) = the mHC block with the Triton mixing kernel and the torch ops (mhc.py), the KDA
+#   glm53 (on request) = the mHC kernels (mixing matrix, stream mixing, block) and the torch ops (mhc.py), the KDA
 #   delta rule and layer at 4K/16K/64K (kda.py; fla autotunes on first use), a glm5_3_proxy step
+#   (profiled by module and by operator input shape)
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 # Autotuning: Triton keeps each autotuned kernel's timings in its cache (`*.autotune.json`; fla's KDA
 # kernels autotune on first use, minutes on a fresh machine). The suite copies those of an earlier
@@ -103,7 +104,7 @@ for part in $parts; do
     glm53) run bench_mhc 180 "$py" scripts/bench/mhc.py --out "$out/mhc.json"
            run bench_kda 420 "$py" scripts/bench/kda.py --seq 4096 16384 65536 --out "$out/kda.json"
            run glm53_proxy 420 "$py" scripts/bench/profile_step.py experiment=glm5_3_proxy_h200 --steps 3 --ops-by-module \
-             --out "$out/glm53_proxy.json" ;;
+             --by-shape --out "$out/glm53_proxy.json" ;;
     smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
             --out "$out/sparse_mla_triton.json" ;;
     *) echo "unknown part $part" >&2 ;;
