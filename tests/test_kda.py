@@ -5,6 +5,8 @@ the torch reference in forward and every gradient."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -89,14 +91,14 @@ def test_backend_resolution_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(backends.KernelUnavailable, match=r"linear_attention_kernels='cuda'.*allowed"):
         backends.resolve("cuda")
     backends.check_backend("torch")
-    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert backends.resolve("auto") == "torch"  # CUDA without the package: no extra needed
     with pytest.raises(backends.KernelUnavailable, match=r"\.\[fla\]"):
         backends.check_backend("fla")
     backends.check_backend("fla", on_device=False)  # a dry run plans for another machine
     with pytest.raises(backends.KernelUnavailable, match="not resolved"):
-        backends.delta_rule("auto")
+        backends.layer_kernels("auto")
 
 
 def test_config_key_validated_and_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -318,7 +320,7 @@ def test_fla_matches_torch_reference_forward_and_gradients(cu: list[int] | None)
     outs = {}
     for name in ("torch", "fla"):
         leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-        out = backends.delta_rule(name)(*leaves, d ** -0.5, cu_t)
+        out = backends.layer_kernels(name).delta_rule(*leaves, d ** -0.5, cu_t)
         weight = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(7),
                              device="cuda", dtype=torch.float32)
         (out.float() * weight).sum().backward()
@@ -331,3 +333,116 @@ def test_fla_matches_torch_reference_forward_and_gradients(cu: list[int] | None)
         torch.testing.assert_close(got, want, rtol=0.0,
                                    atol=2 * (4 + nt) * EPS_BF16 * float(want.abs().max()),
                                    msg=lambda m, what=what: f"d{what}: {m}")
+
+
+# --- GPU: fla's conv, gate and gated norm against the torch ops -------------------------------
+
+ROUND_BF16 = 2.0 ** -7 * (1 + 2.0 ** -7)
+"""Two float32 values that differ by ``d`` round to bf16 values at most one bf16 ulp apart (an ulp
+is <= 2^-7 of the value, 8 significand bits) plus ``d``: relative tolerance of a bf16 output."""
+
+
+def _assert_within(name: str, got: torch.Tensor, want: torch.Tensor, fp32_abs: float) -> None:
+    """``|got - want| <= fp32_abs + (ROUND_BF16 |want| for a bf16 result)``: the float32 arithmetic's
+    derived error ``fp32_abs`` and, where the result is stored in bf16, one rounding step."""
+    assert got.dtype == want.dtype and got.shape == want.shape, (name, got.dtype, want.dtype, got.shape)
+    rtol = ROUND_BF16 if want.dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=fp32_abs,
+                               msg=lambda m: f"{name}: {m}")
+
+
+def _grads(fn, inputs: list[torch.Tensor], seed: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:  # noqa: ANN001
+    """``fn(*inputs)`` and the gradients of ``sum(out * w)`` for a fixed random ``w`` (returned)."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*leaves)
+    weight = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(seed), device="cuda")
+    (out.float() * weight).sum().backward()
+    return out.detach(), [leaf.grad for leaf in leaves], weight
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cu", [None, [0, 3, 100, 100, 164, 400, 512]])
+def test_fla_conv_matches_torch_ops(cu: list[int] | None) -> None:
+    """The short conv, bf16 (the model dtype): both sum K products of bf16 values (exact in fp32)
+    in fp32, SiLU (Lipschitz 1.1), one bf16 rounding. fp32 part: any order of an n-term sum is
+    within 2 n eps32 sum|terms| of another; y, dx: n = K, terms <= max|x| max|w| (dy's 1.1 max|w|);
+    dw: n = tokens, terms <= 1.1 max|dy| max|x|; plus 8 eps32 of the result for SiLU and its
+    derivative."""
+    pytest.importorskip("fla", reason="needs the fla extra: pip install -e '.[fla]'")
+    from kpool_layers.linear_attention.fla_kernels import FLA_KERNELS
+    from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS, document_index
+
+    b, s, c, taps = (1 if cu else 2), 512, 256, 4
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(b, s, c, generator=gen).bfloat16().cuda()
+    w = (0.5 * torch.randn(c, taps, generator=gen)).bfloat16().cuda()
+    docs = document_index(s, None if cu is None else torch.tensor(cu, device="cuda"), x.device)
+    runs = {name: _grads(lambda x, w, k=k: k.conv(x, w, docs), [x, w], seed=12)
+            for name, k in (("fla", FLA_KERNELS), ("torch", TORCH_KERNELS))}
+    (y, (dx, dw), dy), (y_ref, (dx_ref, dw_ref), _) = runs["fla"], runs["torch"]
+    mx, mw, mdy = float(x.abs().max()), float(w.abs().max()), float(dy.abs().max())
+    n_tok = b * s
+    _assert_within("y", y, y_ref, 2 * taps * EPS32 * taps * mx * mw * 1.1 + 8 * EPS32 * float(y_ref.abs().max()))
+    _assert_within("dx", dx, dx_ref, 2 * taps * EPS32 * taps * 1.1 * mdy * mw + 8 * EPS32 * float(dx_ref.abs().max()))
+    _assert_within("dw", dw, dw_ref, 2 * n_tok * EPS32 * n_tok * 1.1 * mdy * mx)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_fla_decay_matches_torch_ops(lower_bound: float | None) -> None:
+    """The forget gate from bf16 ``f``, ``A_log``, ``dt_bias`` (the model dtype): fp32 math with a
+    few operations per element, each side within 8 eps32 of its result for g and df (exp, the
+    sigmoid or softplus); df is rounded to bf16. dA and dbias sum n = tokens (x D for dA) terms:
+    2 n eps32 n max|term|, terms <= max|dg| r max|f + b| (dA) and max|dg| r (dbias), r = max exp(A_log)."""
+    pytest.importorskip("fla", reason="needs the fla extra: pip install -e '.[fla]'")
+    from kpool_layers.linear_attention.fla_kernels import FLA_KERNELS
+    from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS
+
+    s, b, h, d = 512, 2, 4, 128
+    gen = torch.Generator().manual_seed(13)
+    f = torch.randn(s, b, h, d, generator=gen).bfloat16().cuda()
+    a_log = torch.randn(h, generator=gen).bfloat16().cuda()
+    dt_bias = (0.5 * torch.randn(h * d, generator=gen)).bfloat16().cuda()
+    runs = {name: _grads(lambda f, a, bias, k=k: k.decay(f, a, bias, lower_bound), [f, a_log, dt_bias], seed=14)
+            for name, k in (("fla", FLA_KERNELS), ("torch", TORCH_KERNELS))}
+    (g, (df, da, dbias), dg), (g_ref, (df_ref, da_ref, dbias_ref), _) = runs["fla"], runs["torch"]
+    assert g.dtype == torch.float32
+    rate = float(a_log.float().exp().max())
+    fb = float((f.float() + dt_bias.float().view(h, d)).abs().max())
+    mdg = float(dg.abs().max())
+    n_tok = s * b
+    _assert_within("g", g, g_ref, 8 * EPS32 * float(g_ref.abs().max()))
+    _assert_within("df", df, df_ref, 8 * EPS32 * float(df_ref.abs().max()))
+    scale_a = (abs(lower_bound) / 4 * fb if lower_bound is not None else fb + 1.0) * rate * mdg
+    _assert_within("dA_log", da, da_ref, 2 * n_tok * d * EPS32 * n_tok * d * scale_a)
+    _assert_within("ddt_bias", dbias, dbias_ref, 2 * n_tok * EPS32 * n_tok * rate * mdg)
+
+
+@pytest.mark.gpu
+def test_fla_gated_norm_matches_torch_ops() -> None:
+    """RMSNorm_D(o) w sigmoid(gate), bf16 in and out: the sum of D squares has relative error
+    <= D eps32 (positive terms), so y and dgate are within 2 (D + 8) eps32 of their largest value,
+    do of its terms' (plus one bf16 rounding each); dw sums n = rows terms <= max|dy| max|o rstd|:
+    2 n eps32 n max|term|."""
+    pytest.importorskip("fla", reason="needs the fla extra: pip install -e '.[fla]'")
+    from kpool_layers.linear_attention.fla_kernels import FLA_KERNELS
+    from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS
+
+    rows, d, eps = 2048, 128, 1e-5
+    gen = torch.Generator().manual_seed(15)
+    o = torch.randn(rows // 4, 4, d, generator=gen).bfloat16().cuda()
+    gate = torch.randn(rows // 4, 4, d, generator=gen).bfloat16().cuda()
+    w = (1 + 0.1 * torch.randn(d, generator=gen)).bfloat16().cuda()
+    runs = {name: _grads(lambda o, gate, w, k=k: k.gated_norm(o, gate, w, eps), [o, gate, w], seed=16)
+            for name, k in (("fla", FLA_KERNELS), ("torch", TORCH_KERNELS))}
+    (y, (do, dgate, dw), dy), (y_ref, (do_ref, dgate_ref, dw_ref), _) = runs["fla"], runs["torch"]
+    of = o.float()
+    rstd = torch.rsqrt(of.square().mean(-1, keepdim=True) + eps)
+    normed = float((of * rstd).abs().max())
+    rel = 2 * (d + 8) * EPS32
+    for name, got, want in (("y", y, y_ref), ("dgate", dgate, dgate_ref)):
+        _assert_within(name, got, want, rel * float(want.abs().max()))
+    # do = rstd (a - o_hat mean(a o_hat)), a = w sigmoid(gate) dy: its error scales with its terms
+    terms = float(rstd.max()) * float(w.float().abs().max()) * float(dy.abs().max()) * (1 + normed ** 2)
+    _assert_within("do", do, do_ref, rel * terms)
+    _assert_within("dw", dw, dw_ref, 2 * rows * EPS32 * rows * float(dy.abs().max()) * normed)

@@ -14,7 +14,8 @@ from kpool_layers.compat import wgrad_accumulation
 from kpool_layers.dsa import backends as dsa_kernels
 from kpool_layers.kernel_routes import KernelBackend, KernelUnavailable, Machine, Route
 from kpool_layers.linear_attention import backends as kda_kernels
-from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
+from kpool_layers.linear_attention.fla_kernels import FLA_KERNELS
+from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS
 from kpool_layers.loss import LOSS, FusedLossGPTModel, loss_backend
 from kpool_layers.moe.grouped_gemm import GROUPED_FP8, GROUPED_MM
 from kpool_layers.precision import fp8
@@ -109,9 +110,9 @@ def test_linear_attention_route_is_the_kda_backend_choice() -> None:
     route = kda_kernels.LINEAR_ATTENTION
     assert kda_kernels.resolve("auto", on_device=False) == "fla" and route.latest.kernel is None  # planned: nothing loaded
     assert kda_kernels.resolve("auto") == "torch" and route.latest.declined == {"fla": "no CUDA device"}
-    assert kda_kernels.delta_rule("torch") is chunk_kda_torch  # the layer spec records the resolved auto
+    assert kda_kernels.layer_kernels("torch") is TORCH_KERNELS  # the layer spec records the resolved auto
     assert not route.latest.forced and route.latest.declined == {"fla": "no CUDA device"}
-    assert kda_kernels.delta_rule("fla") is kda_kernels.chunk_kda_fla and route.latest.forced  # asked for
+    assert kda_kernels.layer_kernels("fla") is FLA_KERNELS and route.latest.forced  # asked for
     with pytest.raises(KernelUnavailable, match=r"model\.linear_attention_kernels=fla cannot run here: no CUDA device; "
                                                 r"allowed: \['fla', 'torch'\]"):
         route.resolve("fla", CPU)

@@ -1,12 +1,17 @@
-"""Which kernel computes KDA's chunked delta rule: the ``model.linear_attention_kernels`` key.
+"""Which kernels run a KDA layer's short convolution, forget gate, chunked delta rule and gated
+norm: the ``model.linear_attention_kernels`` key (one :class:`~kpool_layers.linear_attention.layer_ops.KDAKernels`
+bundle per backend; its entries' contracts are in :mod:`kpool_layers.linear_attention.layer_ops`).
 
 ==========  ==================================================================================
-backend     delta rule
+backend     kernels
 ==========  ==================================================================================
-``torch``   :func:`kpool_layers.linear_attention.delta_rule.chunk_kda_torch` (any device; fp32
-            math, fp64 for fp64 inputs; autograd through PyTorch ops)
-``fla``     flash-linear-attention's Triton ``chunk_kda`` (CUDA; the optional extra
-            ``pip install -e '.[fla]'``, fla-core 0.6.0; its Triton comes with PyTorch's CUDA wheels)
+``torch``   :data:`~kpool_layers.linear_attention.layer_ops.TORCH_KERNELS`: PyTorch ops and
+            :func:`~kpool_layers.linear_attention.delta_rule.chunk_kda_torch` (any device;
+            fp32 math, fp64 for fp64 inputs; autograd through PyTorch ops)
+``fla``     flash-linear-attention's Triton kernels (:mod:`kpool_layers.linear_attention.fla_kernels`:
+            ``causal_conv1d``, ``fused_kda_gate``, ``chunk_kda``, ``rms_norm_gated``; CUDA; the
+            optional extra ``pip install -e '.[fla]'``, fla-core 0.6.0; its Triton comes with
+            PyTorch's CUDA wheels)
 ==========  ==================================================================================
 
 The kernel route :data:`LINEAR_ATTENTION` (:mod:`kpool_layers.kernel_routes`) holds the table,
@@ -14,28 +19,20 @@ tried in the order fla, torch: ``auto`` is ``fla`` on a CUDA machine where flash
 is installed (and for a dry run planning for GPUs), else ``torch`` (models without KDA layers need
 no extra). ``fla`` requested by name is checked by :func:`check_backend` before the build: it
 raises, naming the fix, when the package or a CUDA device is missing. The layer spec
-(:func:`kpool_layers.linear_attention.kda.kda_spec`) takes the resolved backend's delta rule
-through :func:`delta_rule`, which records it as the route's choice (the precision map's
+(:func:`kpool_layers.linear_attention.kda.kda_spec`) takes the resolved backend's kernels
+through :func:`layer_kernels`, which records it as the route's choice (the precision map's
 ``route.linear_attention`` row).
-
-Every backend is a :data:`DeltaRule`: ``(q, k, v, g, beta, scale, cu_seqlens) -> o`` with
-``q, k [B, T, H, K]`` and ``v [B, T, H, V]`` in the model dtype (q and k are L2-normalised inside),
-``g [B, T, H, K]`` float32 log decay, ``beta [B, T, H]``, ``cu_seqlens`` int ``[N + 1]`` (``B == 1``,
-last entry ``T``) or None; ``o [B, T, H, V]`` in ``v``'s dtype.
 """
 
 from __future__ import annotations
 
-import importlib
 from enum import Enum
-from typing import Callable, Optional
-
-import torch
-from torch import Tensor
+from typing import Optional
 
 from kpool_layers.kernel_routes import (KernelBackend, KernelUnavailable, Machine, Route, needs_cuda, needs_package,
                                         register)
-from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
+from kpool_layers.linear_attention import fla_kernels
+from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS, KDAKernels
 
 
 class Backend(str, Enum):
@@ -47,35 +44,19 @@ class Backend(str, Enum):
 
 
 BACKENDS = tuple(b.value for b in Backend)
-KEY = "model.linear_attention_kernels"
-FLA_EXTRA = "pip install -e '.[fla]' (fla-core==0.6.0)"
-
-DeltaRule = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, float, Optional[Tensor]], Tensor]
+KEY = fla_kernels.KEY
+FLA_EXTRA = fla_kernels.FLA_EXTRA
 
 _needs_fla = needs_package("fla", FLA_EXTRA)
 """The ``fla`` backend's package check (with :func:`needs_cuda`, what it needs of the machine)."""
 
 
-def chunk_kda_fla(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-                  cu_seqlens: Optional[Tensor] = None) -> Tensor:
-    """flash-linear-attention's ``chunk_kda`` behind :data:`DeltaRule` (precomputed log decay,
-    q/k L2 norm in the kernel, no initial or final state)."""
-    try:
-        chunk_kda = importlib.import_module("fla.ops.kda").chunk_kda
-    except ImportError as err:
-        raise KernelUnavailable(f"{KEY}=fla needs flash-linear-attention: {FLA_EXTRA}") from err
-    out, _ = chunk_kda(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=None,
-                       output_final_state=False, use_qk_l2norm_in_kernel=True,
-                       cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long))
-    return out.to(v.dtype)
-
-
 LINEAR_ATTENTION = register(Route("linear_attention", (
-    KernelBackend("fla", lambda: chunk_kda_fla, "flash-linear-attention's Triton chunk_kda",
+    KernelBackend("fla", lambda: fla_kernels.FLA_KERNELS, "flash-linear-attention's Triton kernels (conv, gate, chunk_kda, gated norm)",
                   declines=(needs_cuda, _needs_fla)),
-    KernelBackend("torch", lambda: chunk_kda_torch, "chunked PyTorch delta rule (fp32 math)"),
-), summary="KDA chunked delta rule", config_key=KEY))
-"""The ``linear_attention_kernels`` route: each backend's ``load`` gives its :data:`DeltaRule`."""
+    KernelBackend("torch", lambda: TORCH_KERNELS, "PyTorch ops and the chunked PyTorch delta rule (fp32 math)"),
+), summary="KDA short conv, gate, delta rule and gated norm", config_key=KEY))
+"""The ``linear_attention_kernels`` route: each backend's ``load`` gives its :class:`KDAKernels`."""
 
 
 def resolve(requested: str, *, on_device: Optional[bool] = None) -> str:
@@ -106,8 +87,8 @@ def check_backend(backend: str, *, on_device: bool = True) -> None:
         raise KernelUnavailable(f"{KEY}=fla needs a CUDA device; set {KEY}=torch on this machine")
 
 
-def delta_rule(backend: str) -> DeltaRule:
-    """The delta rule of resolved ``backend`` (``torch`` or ``fla``), recorded as
+def layer_kernels(backend: str) -> KDAKernels:
+    """The kernels of resolved ``backend`` (``torch`` or ``fla``), recorded as
     :data:`LINEAR_ATTENTION`'s choice (the layer spec calls this at the build)."""
     if backend not in LINEAR_ATTENTION.names:
         raise KernelUnavailable(f"{KEY}={backend!r} is not resolved; allowed here: "

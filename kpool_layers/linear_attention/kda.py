@@ -14,8 +14,9 @@ Per layer (``H`` heads of size ``D``, ``H_l = H / TP`` on this rank, ``K_c`` con
     out     = W_o o                                              [s, b, h]
 
 The delta rule (L2-normalised q/k, per-channel decay) is
-:mod:`kpool_layers.linear_attention.delta_rule`'s; its kernel is picked by
-``config.linear_attention_kernels`` (resolved ``torch`` or ``fla``, see ``backends.py``). The conv
+:mod:`kpool_layers.linear_attention.delta_rule`'s. The conv, the gate ``g``, the delta rule and the
+gated norm run on the kernels of ``config.linear_attention_kernels`` (resolved ``torch`` or ``fla``;
+``backends.py``, contracts in ``layer_ops.py``), each in float32 and rounded once. The conv
 weights, ``dt_bias`` and ``A_log`` are created in float32 and take the model's dtype like every
 other parameter (BF16 under the bf16 profiles, with FP32 master copies in the optimizer: an FP32
 parameter inside a BF16 model fails megatron 0.19.2's distributed-optimizer checkpoint save); the
@@ -64,7 +65,6 @@ from functools import partial
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.gated_delta_net.common import (
@@ -84,7 +84,8 @@ from torch import Tensor
 
 from kpool_layers.compat.attention_slot import AttentionSlotLayer
 from kpool_layers.config import GLMTransformerConfig
-from kpool_layers.linear_attention.backends import DeltaRule, delta_rule
+from kpool_layers.linear_attention.backends import layer_kernels
+from kpool_layers.linear_attention.layer_ops import KDAKernels, document_index
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, role_spec
 from kpool_layers.precision.policy import Role
 
@@ -109,7 +110,7 @@ def kda_spec(config: GLMTransformerConfig) -> ModuleSpec:
     """:class:`KimiDeltaAttention` on megatron's local parallel linears, tagged with their precision
     roles (``kda.qkv`` for q/k/v, ``kda.gate`` for the forget/output gate projections and beta,
     ``kda.out``; :mod:`kpool_layers.precision.linears`), with the delta rule of
-    ``config.linear_attention_kernels``."""
+    ``config.linear_attention_kernels``'s conv, gate, delta rule and gated norm."""
     col = partial(role_spec, RoleColumnParallelLinear)
     return ModuleSpec(
         module=KimiDeltaAttention,
@@ -118,7 +119,7 @@ def kda_spec(config: GLMTransformerConfig) -> ModuleSpec:
             linear_f_a=col(Role.KDA_GATE), linear_f_b=col(Role.KDA_GATE),
             linear_beta=col(Role.KDA_GATE), linear_g_a=col(Role.KDA_GATE),
             linear_g_b=col(Role.KDA_GATE), linear_proj=role_spec(RoleRowParallelLinear, Role.KDA_OUT)),
-        params={"kernel": delta_rule(config.linear_attention_kernels)},
+        params={"kernels": layer_kernels(config.linear_attention_kernels)},
     )
 
 
@@ -153,45 +154,12 @@ def _tp_parameter(shape: tuple[int, ...], device: Any) -> torch.nn.Parameter:
     return param
 
 
-def document_index(seq_len: int, cu_seqlens: Optional[Tensor], device: torch.device
-                   ) -> tuple[Tensor, Optional[Tensor]]:
-    """Each token's position inside its document (int64 ``[seq_len]``) and the document bounds
-    ``[0, ..., seq_len]`` (int32, tokens past ``cu_seqlens[-1]`` one more document; None without
-    ``cu_seqlens``)."""
-    tokens = torch.arange(seq_len, device=device, dtype=torch.int64)
-    if cu_seqlens is None:
-        return tokens, None
-    bounds = cu_seqlens.to(device=device, dtype=torch.int64)
-    if int(bounds[-1]) > seq_len:
-        raise ValueError(f"cu_seqlens ends at {int(bounds[-1])}, past the sequence ({seq_len})")
-    if int(bounds[-1]) < seq_len:
-        bounds = torch.cat([bounds, bounds.new_tensor([seq_len])])
-    doc = torch.searchsorted(bounds, tokens, right=True) - 1
-    return tokens - bounds[doc], bounds.to(torch.int32)
-
-
-def causal_depthwise_conv(x: Tensor, weight: Tensor, positions: Tensor) -> Tensor:
-    """``SiLU(sum_j weight[:, K-1-j] * x[t - j])`` over taps ``j < K`` inside each document.
-
-    ``x [b, s, C]``, ``weight [C, K]`` (PyTorch's ``conv1d`` layout: the last tap multiplies the
-    current token), ``positions [s]`` (position in the document; taps reaching before it read 0).
-    Computed in float32, returned in ``x``'s dtype."""
-    taps = weight.shape[1]
-    weight = weight.float()
-    xf = x.float()
-    out = xf * weight[:, taps - 1]
-    for j in range(1, taps):
-        shifted = F.pad(xf, (0, 0, j, 0))[:, : x.shape[1]]
-        inside = (positions >= j).float()[None, :, None]
-        out = out + shifted * inside * weight[:, taps - 1 - j]
-    return F.silu(out).to(x.dtype)
-
-
 class KimiDeltaAttention(AttentionSlotLayer):
     """KDA; see the module docstring for the math, the TP split and the packed-document rules.
 
     ``forward(hidden_states [s/TP if SP else s, b, h], ...)`` -> ``(output [same shape], None)``.
-    Built from :func:`kda_spec`; ``kernel`` is the delta rule (``backends.DeltaRule``).
+    Built from :func:`kda_spec`; ``kernels`` are the conv, gate, delta rule and gated norm
+    (:class:`~kpool_layers.linear_attention.layer_ops.KDAKernels`).
     ``attn_mask_type``, ``cp_comm_type``, ``pp_layer_offset`` and ``name`` are accepted for
     ``TransformerLayer``'s call and not used.
     """
@@ -201,7 +169,7 @@ class KimiDeltaAttention(AttentionSlotLayer):
         config: GLMTransformerConfig,
         submodules: KDASubmodules,
         layer_number: int,
-        kernel: DeltaRule,
+        kernels: KDAKernels,
         attn_mask_type: Any = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
         cp_comm_type: Optional[str] = None,
@@ -210,7 +178,7 @@ class KimiDeltaAttention(AttentionSlotLayer):
     ) -> None:
         super().__init__(config=config)
         self.layer_number = layer_number
-        self.kernel = kernel
+        self.kernels = kernels
         self.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups(
             required_pgs=["tp", "cp"])
         self.tp_group = self.pg_collection.tp
@@ -315,19 +283,15 @@ class KimiDeltaAttention(AttentionSlotLayer):
 
     def _decay(self, x: Tensor) -> Tensor:
         """The forget gate's log decay, float32 ``[s, b, H_l, D]``."""
-        f = self._low_rank(self.linear_f_a, self.linear_f_b, x).float() + self.dt_bias.float()
-        f = f.unflatten(-1, (self.local_heads, self.head_dim))
-        rate = self.A_log.float().exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * f)
-        return -rate * F.softplus(f)
+        f = self._low_rank(self.linear_f_a, self.linear_f_b, x)
+        return self.kernels.decay(f.unflatten(-1, (self.local_heads, self.head_dim)), self.A_log,
+                                  self.dt_bias, self.lower_bound)
 
     def _gated_norm(self, o: Tensor, gate: Tensor) -> Tensor:
-        """``RMSNorm_D(o) * w * sigmoid(gate)`` in float32, per head; ``o, gate [..., D]``."""
+        """``RMSNorm_D(o) * w * sigmoid(gate)`` per head (float32 math, ``o``'s dtype); ``o, gate
+        [..., D]``."""
         weight = copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group)
-        of = o.float()
-        normed = of * torch.rsqrt(of.square().mean(-1, keepdim=True) + self.config.layernorm_epsilon)
-        return (normed * weight.float() * torch.sigmoid(gate.float())).to(o.dtype)
+        return self.kernels.gated_norm(o, gate, weight, self.config.layernorm_epsilon)
 
     def _to_heads(self, x: Tensor) -> Tensor:
         """``[s / CP, b, H_l * C]`` (this CP rank's tokens, SP gathered; all ``H_l`` heads, ``C``
@@ -363,12 +327,12 @@ class KimiDeltaAttention(AttentionSlotLayer):
         q, k, v = (self._to_heads(lin(hidden_states)[0])
                    for lin in (self.linear_q, self.linear_k, self.linear_v))  # [b, s, H_l/CP, D]
         s = q.shape[1]  # the full sequence (SP and CP gathered)
-        positions, bounds = document_index(s, cu_seqlens, q.device)
-        q, k, v = (causal_depthwise_conv(t.flatten(2), self._cp_local(w), positions).unflatten(-1, t.shape[2:])
+        docs = document_index(s, cu_seqlens, q.device)
+        q, k, v = (self.kernels.conv(t.flatten(2), self._cp_local(w), docs).unflatten(-1, t.shape[2:])
                    for t, w in ((q, self.conv_q), (k, self.conv_k), (v, self.conv_v)))
         g = self._to_heads(self._decay(hidden_states).flatten(2))                     # [b, s, H_l/CP, D]
         beta = self._to_heads(torch.sigmoid(self.linear_beta(hidden_states)[0]))[..., 0]  # [b, s, H_l/CP]
-        o = self.kernel(q, k, v, g, beta, self.head_dim ** -0.5, bounds)               # [b, s, H_l/CP, D]
+        o = self.kernels.delta_rule(q, k, v, g, beta, self.head_dim ** -0.5, docs.bounds)  # [b, s, H_l/CP, D]
         o = self._from_heads(o)                                                        # [s/CP, b, H_l, D]
         gate = self._low_rank(self.linear_g_a, self.linear_g_b, hidden_states)
         o = self._gated_norm(o, gate.unflatten(-1, (self.local_heads, self.head_dim)))

@@ -10,6 +10,8 @@ lower bound -5; bf16 on GPU):
                   it fits in ``--torch-max`` tokens
     layer_fla     our ``KimiDeltaAttention`` (projections, conv, gates, the delta rule through
                   ``model.linear_attention_kernels=fla``, gated norm, output projection)
+    layer_fla_torch_ops  the same layer with fla's delta rule but the PyTorch conv, gate and gated
+                  norm (``fla_ops_speedup``: its time over ``layer_fla``'s)
 
 Each entry is the median of ``--repeats`` forward + backward passes after one warm-up (the first
 call autotunes fla's kernels), with the extra peak GPU memory. The delta rule's FLOPs are those of
@@ -24,6 +26,7 @@ count per token. ``layer_over_kernel`` is how much of the layer's time the kerne
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any, Callable
 
@@ -74,14 +77,17 @@ def kernel_step(kernel: Callable[..., torch.Tensor], s: int, shape: dict[str, An
 
 
 def layer_step(backend: str, s: int, shape: dict[str, Any], dtype: torch.dtype,
-               device: torch.device) -> tuple[Callable[[], None], int]:
-    """One forward + backward of our KDA layer on ``s`` tokens, and its weight count."""
+               device: torch.device, kernels: Any = None) -> tuple[Callable[[], None], int]:
+    """One forward + backward of our KDA layer on ``s`` tokens, and its weight count; ``kernels``
+    (a ``KDAKernels``) replaces the backend's."""
     from megatron.core.transformer.spec_utils import build_module
 
     from kpool_layers.linear_attention.kda import kda_spec
 
     config = _config(shape, backend, dtype, device.type == "cuda")
     layer = build_module(kda_spec(config), config=config, layer_number=1).to(device=device, dtype=dtype)
+    if kernels is not None:
+        layer.kernels = kernels
     x = torch.randn(s, 1, shape["hidden"], generator=torch.Generator().manual_seed(1)).to(device, dtype)
     x.requires_grad_()
     grad = torch.randn_like(x)
@@ -110,7 +116,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
-    from kpool_layers.linear_attention.backends import chunk_kda_fla
+    from kpool_layers.linear_attention.fla_kernels import FLA_KERNELS, chunk_kda_fla
+    from kpool_layers.linear_attention.layer_ops import TORCH_KERNELS
     from kpool_layers.linear_attention.delta_rule import chunk_kda_torch
 
     cuda, device, dtype = bench_device()
@@ -126,6 +133,13 @@ def main() -> None:
             row[f"kernel_{name}"] = measure(kernel_step(kernels[name], s, shape, dtype, device), args.repeats, cuda)
         step, weights = layer_step(backends[0], s, shape, dtype, device)
         row[f"layer_{backends[0]}"] = measure(step, args.repeats, cuda)
+        if cuda:  # fla's delta rule with the torch conv, gate and gated norm, side by side
+            mixed = dataclasses.replace(FLA_KERNELS, conv=TORCH_KERNELS.conv, decay=TORCH_KERNELS.decay,
+                                        gated_norm=TORCH_KERNELS.gated_norm)
+            row["layer_fla_torch_ops"] = measure(layer_step("fla", s, shape, dtype, device, mixed)[0],
+                                                 args.repeats, cuda)
+            if row["layer_fla"].get("ms") and row["layer_fla_torch_ops"].get("ms"):
+                row["fla_ops_speedup"] = row["layer_fla_torch_ops"]["ms"] / row["layer_fla"]["ms"]
         row["layer_projection_gflop"] = 6 * s * weights / 1e9
         kernel = row[f"kernel_{backends[0]}"]
         layer = row[f"layer_{backends[0]}"]
