@@ -220,4 +220,4 @@ def test_benchmark_script_runs_on_cpu(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["tokens"] == 8 and all(row[f"{what}_torch"]["ms"] > 0 for what in ("mixing", "mix", "block"))
+    assert row["tokens"] == 8 and all(row[f"{what}_torch"]["ms"] > 0 for what in ("mixing", "mix", "proj", "presum", "block"))

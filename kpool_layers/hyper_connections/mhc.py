@@ -87,6 +87,62 @@ def mix_streams(post: Tensor, comb: Tensor, block_output: Tensor, streams: Tenso
     return torch_mix_streams(post, comb, block_output, streams)
 
 
+def torch_norm_project(streams: Tensor, fn: Tensor, eps: float) -> Tensor:
+    """``z [..., (2 + N) N]`` FP32 in torch ops (transformers' order): the streams ``[..., N, h]``
+    flattened to FP32, ``x * rsqrt(mean(x^2) + eps)``, then ``x @ fn^T`` in FP32."""
+    flat = streams.flatten(-2).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+    return torch.nn.functional.linear(flat, fn.float())
+
+
+def torch_pre_sum(pre: Tensor, streams: Tensor) -> Tensor:
+    """``sum_n pre_n streams_n`` in torch ops: FP32 products and sum, rounded to the streams'
+    dtype; ``pre [..., N]`` FP32, ``streams [..., N, h]`` -> ``[..., h]``."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
+def _pre_triton() -> ModuleType:
+    from kpool_layers.kernels import mhc_pre_triton
+
+    return mhc_pre_triton
+
+
+NORM_PROJECT = register(Route("mhc_norm_proj", (
+    KernelBackend("triton", _pre_triton, "stream RMS norm + FP32 projection in one Triton kernel forward, two "
+                  "backward (BF16/FP32 streams, N <= 8)", declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: torch_norm_project, "torch ops: an FP32 copy, four norm passes, an FP32 matmul"),
+), summary="mHC stream norm and projection before a block"))
+"""``mhc_norm_proj``: the Triton kernel module (its ``supports_norm_project`` and ``norm_project``
+looked up per call) or :func:`torch_norm_project`."""
+
+PRE_SUM = register(Route("mhc_pre_sum", (
+    KernelBackend("triton", _pre_triton, "pre-weighted stream sum in one Triton kernel forward, one backward "
+                  "(BF16/FP32 streams, N <= 8)", declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: torch_pre_sum, "torch ops: an FP32 broadcast product, a sum, a cast"),
+), summary="mHC block input (pre-weighted stream sum)"))
+"""``mhc_pre_sum``: the Triton kernel module (its ``supports_pre_sum`` and ``pre_sum`` looked up per
+call) or :func:`torch_pre_sum`."""
+
+
+def norm_project(streams: Tensor, fn: Tensor, eps: float) -> Tensor:
+    """``z`` of :func:`torch_norm_project` through :data:`NORM_PROJECT`: FP32 products in another
+    order on the kernel (:mod:`kpool_layers.kernels.mhc_pre_triton`); tensors the kernel does not
+    take run the torch ops."""
+    route = NORM_PROJECT.default()
+    if route.backend == "triton" and route.kernel.supports_norm_project(streams, fn):
+        return route.kernel.norm_project(streams, fn, eps)
+    return torch_norm_project(streams, fn, eps)
+
+
+def pre_sum(pre: Tensor, streams: Tensor) -> Tensor:
+    """The block input ``sum_n pre_n streams_n`` of :func:`torch_pre_sum` through :data:`PRE_SUM`
+    (the same rounding; FP32 sums in another order on the kernel)."""
+    route = PRE_SUM.default()
+    if route.backend == "triton" and route.kernel.supports_pre_sum(pre, streams):
+        return route.kernel.pre_sum(pre, streams)
+    return torch_pre_sum(pre, streams)
+
+
 def sinkhorn(comb: Tensor, iters: int, eps: float) -> Tensor:
     """Columns normalised, then ``iters - 1`` row and column normalisations of ``[..., N, N]``
     (each a division by ``sum + eps``)."""
@@ -167,10 +223,7 @@ class HyperConnection(MegatronModule):
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         n = self.hc_mult
-        flat = streams.flatten(-2).float()
-        flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
-        dtype = self.numerics.dtype(self.fn.dtype)  # mhc.proj: float32
-        z = torch.nn.functional.linear(flat.to(dtype), self.fn.to(dtype))
+        z = norm_project(streams, self.fn, self.norm_eps)  # mhc.proj: FP32 in every profile
         pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
         pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
@@ -178,5 +231,4 @@ class HyperConnection(MegatronModule):
         pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_scale + post_b)
         comb = mixing_matrix(comb_w * comb_scale + comb_b.view(n, n), self.hc_sinkhorn_iters, self.hc_eps)
-        block_input = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return post, comb, block_input
+        return post, comb, pre_sum(pre, streams)

@@ -1,6 +1,7 @@
 """Benchmark the mHC hyper-connection of one block: the mixing matrix (row softmax + Sinkhorn)
-alone, the stream mixing alone and the whole ``HyperConnection`` with the stream mixing, forward +
-backward, with the ``mhc_mixing`` and ``mhc_stream_mix`` routes on their Triton kernels and on the
+alone, the stream mixing alone, the stream norm + projection alone, the pre-weighted sum alone, and
+the whole ``HyperConnection`` with the stream mixing, forward + backward, with the ``mhc_mixing``,
+``mhc_stream_mix``, ``mhc_norm_proj`` and ``mhc_pre_sum`` routes on their Triton kernels and on the
 torch ops, side by side in one run.
 
 Per token count (GLM-5.3's blocks: hidden 4096, 4 streams, 20 Sinkhorn iterations; bf16 streams
@@ -8,9 +9,11 @@ and weights on the GPU, the mixing in FP32 as the model computes it):
 
     mixing_<backend>  the mixing matrix of ``tokens`` FP32 logits ``[tokens, 4, 4]``
     mix_<backend>     ``post (x) block output + comb^T @ streams`` on ``[tokens, 4, hidden]`` streams
-    block_<backend>   ``HyperConnection`` (stream norm, projection, gates, mixing matrix) and
-                      ``mix_streams`` on a stand-in block output, as a decoder layer runs them,
-                      both routes on ``<backend>``
+    proj_<backend>    ``z = rsqrt(mean(x^2) + eps) (x @ fn^T)`` of those streams (``mhc_norm_proj``)
+    presum_<backend>  the block input ``sum_n pre_n streams_n`` (``mhc_pre_sum``)
+    block_<backend>   ``HyperConnection`` (stream norm, projection, gates, mixing matrix, block
+                      input) and ``mix_streams`` on a stand-in block output, as a decoder layer runs
+                      them, all four routes on ``<backend>``
 
 Each entry is the median of ``--repeats`` forward + backward passes after one warm-up (the first
 compiles the kernels), with the extra peak GPU memory; ``*_speedup`` is torch over triton.
@@ -71,6 +74,35 @@ def mix_step(backend: str, tokens: int, shape: dict[str, Any], dtype: torch.dtyp
     return step
 
 
+def pre_step(what: str, backend: str, tokens: int, shape: dict[str, Any], dtype: torch.dtype,
+             device: torch.device) -> Callable[[], None]:
+    """One forward + backward of the stream norm + projection (``what="proj"``) or of the
+    pre-weighted sum (``"presum"``) on ``[tokens, N, h]`` streams through ``backend``."""
+    from kpool_layers.hyper_connections.mhc import NORM_PROJECT, PRE_SUM
+
+    n, h = shape["streams"], shape["hidden"]
+    gen = torch.Generator().manual_seed(3)
+    streams = torch.randn(tokens, n, h, generator=gen).to(device, dtype).requires_grad_()
+    if what == "proj":
+        fn = (0.02 * torch.randn((2 + n) * n, n * h, generator=gen)).to(device, dtype).requires_grad_()
+        grad = torch.randn(tokens, (2 + n) * n, generator=gen).to(device)
+        kernel = NORM_PROJECT.backend(backend).load()
+        op = kernel.norm_project if backend == "triton" else kernel
+        leaves, call = (streams, fn), lambda: op(streams, fn, 1e-5)
+    else:
+        pre = torch.sigmoid(torch.randn(tokens, n, generator=gen)).to(device).requires_grad_()
+        grad = torch.randn(tokens, h, generator=gen).to(device, dtype)
+        kernel = PRE_SUM.backend(backend).load()
+        op = kernel.pre_sum if backend == "triton" else kernel
+        leaves, call = (pre, streams), lambda: op(pre, streams)
+
+    def step() -> None:
+        call().backward(grad)
+        for leaf in leaves:
+            leaf.grad = None
+    return step
+
+
 def block_step(tokens: int, shape: dict[str, Any], dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
     """One forward + backward of ``HyperConnection`` and ``mix_streams`` on ``[tokens, 1, N, h]``
     streams (the route as pinned by the caller)."""
@@ -103,8 +135,9 @@ def main() -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
-    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX, STREAM_MIX
+    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX, NORM_PROJECT, PRE_SUM, STREAM_MIX
 
+    routes = (MIXING_MATRIX, STREAM_MIX, NORM_PROJECT, PRE_SUM)
     cuda, device, dtype = bench_device()
     shape = SMALL if args.small else GLM53
     backends = ["triton", "torch"] if cuda else ["torch"]
@@ -114,14 +147,17 @@ def main() -> None:
         for backend in backends:
             row[f"mixing_{backend}"] = measure(mixing_step(backend, tokens, shape, device), args.repeats, cuda)
             row[f"mix_{backend}"] = measure(mix_step(backend, tokens, shape, dtype, device), args.repeats, cuda)
-            MIXING_MATRIX.pin(backend)
-            STREAM_MIX.pin(backend)
+            for what in ("proj", "presum"):
+                row[f"{what}_{backend}"] = measure(pre_step(what, backend, tokens, shape, dtype, device),
+                                                   args.repeats, cuda)
+            for route in routes:
+                route.pin(backend)
             try:
                 row[f"block_{backend}"] = measure(block_step(tokens, shape, dtype, device), args.repeats, cuda)
             finally:
-                MIXING_MATRIX.pin(None)
-                STREAM_MIX.pin(None)
-        for what in ("block", "mixing", "mix"):
+                for route in routes:
+                    route.pin(None)
+        for what in ("block", "mixing", "mix", "proj", "presum"):
             if cuda and row[f"{what}_triton"].get("ms") and row[f"{what}_torch"].get("ms"):
                 row[f"{what}_speedup"] = row[f"{what}_torch"]["ms"] / row[f"{what}_triton"]["ms"]
         rows.append(row)
