@@ -23,15 +23,11 @@ triton is imported); the kernels round to BF16 on the bits, so the interpreter r
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interpreter import run_interpreted
+
 CASES = [(1, (13,), 200), (2, (5, 3), 128), (3, (9,), 130), (4, (21,), 96), (4, (2, 2), 1), (8, (9,), 130)]
 """(N streams, leading dims, h): ragged token and channel counts against the kernels' blocks."""
 EPS = 1e-5
@@ -166,12 +162,8 @@ def refusals(device: str) -> None:
 
 
 def test_kernels_match_the_exact_result_interpreted() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run(
-        [sys.executable, "-c", "from tests.test_mhc_pre_triton import compare, refusals; compare('cpu'); refusals('cpu')"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"kernels within their bounds in {2 * len(CASES)} cases" in result.stdout, result.stdout
+    out = run_interpreted("from tests.test_mhc_pre_triton import compare, refusals; compare('cpu'); refusals('cpu')")
+    assert f"kernels within their bounds in {2 * len(CASES)} cases" in out, out
 
 
 def test_cpu_tensors_are_refused_without_the_interpreter() -> None:

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from kpool_layers.hyper_connections.mhc import torch_mixing_matrix
+from tests.interpreter import run_interpreted
 
 ROOT = Path(__file__).resolve().parents[1]
 U32 = torch.finfo(torch.float32).eps / 2
@@ -169,12 +170,9 @@ def test_kernel_leaves_eighteen_launches_of_the_446(monkeypatch: pytest.MonkeyPa
 
 def test_kernel_matches_torch_ops_interpreted() -> None:
     """The interpreter cases and the launch counts in a subprocess (``TRITON_INTERPRET=1``)."""
-    script = "import tests.test_sinkhorn_triton as t\nt.compare('cpu', 32, reruns=False); t.refusals('cpu')\n"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=1200)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "kernel within its bound in 22 cases" in result.stdout, result.stdout
+    out = run_interpreted("import tests.test_sinkhorn_triton as t\nt.compare('cpu', 32, reruns=False); t.refusals('cpu')\n",
+                          timeout=1200)
+    assert "kernel within its bound in 22 cases" in out, out
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 8])
