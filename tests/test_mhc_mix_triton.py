@@ -167,14 +167,15 @@ def test_kernels_compile_for_hopper(n: int, dtype: str) -> None:
 
     from kpool_layers.kernels import mhc_mix_triton as mix
 
-    constants = {"N": n, "NP": triton.next_power_of_2(n), "BF16": dtype == "bf16",
-                 "BLOCK_T": mix.BLOCK_T, "BLOCK_H": mix.BLOCK_H}
-    for kernel, pointers, warps in (
+    common = {"N": n, "NP": triton.next_power_of_2(n), "BF16": dtype == "bf16"}
+    for kernel, pointers, blocks, warps in (
             (mix._forward_kernel, {"post_ptr": "fp32", "comb_ptr": "fp32", "bo_ptr": dtype, "s_ptr": dtype,
-                                   "out_ptr": dtype}, 4),
+                                   "out_ptr": dtype}, (mix.BLOCK_T, mix.BLOCK_H), mix.WARPS),
             (mix._backward_kernel, {"post_ptr": "fp32", "comb_ptr": "fp32", "bo_ptr": dtype, "s_ptr": dtype,
                                     "g_ptr": dtype, "d_post_ptr": "fp32", "d_comb_ptr": "fp32", "d_bo_ptr": dtype,
-                                    "d_s_ptr": dtype}, 8)):
+                                    "d_s_ptr": dtype}, (mix.BACKWARD_BLOCK_T, mix.BACKWARD_BLOCK_H),
+             mix.BACKWARD_WARPS)):
+        constants = {**common, "BLOCK_T": blocks[0], "BLOCK_H": blocks[1]}
         signature = {**{p: f"*{t}" for p, t in pointers.items()}, "T": "i32", "H": "i32",
                      **{c: "constexpr" for c in constants}}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),

@@ -102,6 +102,17 @@ def _check(who: str, got: list[torch.Tensor], exact: list, mags: list, ks: list,
         assert bool((err <= bound).all()), f"{who} {name} {where}: {float((err - bound).max())} over"
 
 
+def small_chunks() -> None:
+    """Set the norm-projection tiles so that every case sums in several chunks: one tile per chunk
+    forward (``K``) and in ``d fn`` (tokens), the smallest tiles ``tl.dot`` takes."""
+    from dataclasses import replace
+
+    from kpool_layers.kernels import mhc_pre_triton as pre_kernels
+
+    for key in pre_kernels.TILES:
+        pre_kernels.TILES[key] = replace(pre_kernels.TILES[key], block_t=16, block_k=16, chunk=16)
+
+
 def compare(device: str, reruns: bool = False) -> None:
     """Assert kernels and torch ops within their bounds of the exact results in every case."""
     from kpool_layers.hyper_connections.mhc import torch_norm_project, torch_pre_sum
@@ -166,6 +177,14 @@ def test_kernels_match_the_exact_result_interpreted() -> None:
     assert f"kernels within their bounds in {2 * len(CASES)} cases" in out, out
 
 
+def test_split_sums_match_the_exact_result_interpreted() -> None:
+    """The norm projection's sums in chunks of 16 columns and 16 tokens, added by the finishing
+    kernels: within the same bounds (a sum's error bound does not depend on its order)."""
+    out = run_interpreted("from tests.test_mhc_pre_triton import compare, small_chunks; small_chunks(); "
+                          "compare('cpu')")
+    assert f"kernels within their bounds in {2 * len(CASES)} cases" in out, out
+
+
 def test_cpu_tensors_are_refused_without_the_interpreter() -> None:
     """Outside the interpreter the kernels take CUDA tensors only."""
     from kpool_layers.kernels import mhc_pre_triton as pre_kernels
@@ -205,7 +224,7 @@ def test_hyper_connection_takes_the_routes(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize("n", [1, 4, 8])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 def test_kernels_compile_for_hopper(n: int, dtype: str) -> None:
-    """All four kernels compile to an sm_90 cubin on the CPU (Triton's compiler and ptxas need no
+    """All seven kernels compile to an sm_90 cubin on the CPU (Triton's compiler and ptxas need no
     GPU), so what the interpreter lets pass but the compiler refuses fails here."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -214,16 +233,27 @@ def test_kernels_compile_for_hopper(n: int, dtype: str) -> None:
     from kpool_layers.kernels import mhc_pre_triton as pre
 
     wp, bf16 = pre._wp((2 + n) * n), dtype == "bf16"
-    blocks_k = {"WP": wp, "BLOCK_T": pre.BLOCK_T, "BLOCK_K": pre.BLOCK_K}
+    fwd, bwd_x, bwd_fn = (pre.TILES[k] for k in ("proj_forward", "proj_backward_x", "proj_backward_fn"))
     blocks_h = {"BLOCK_T": pre.BLOCK_T, "BLOCK_H": pre.BLOCK_H}
     ints = {"T": "i32", "K": "i32", "W": "i32"}
-    for kernel, pointers, scalars, constants in (  # constants in each kernel's parameter order
-            (pre._norm_proj_forward, {"x_ptr": dtype, "fn_ptr": dtype, "z_ptr": "fp32", "rstd_ptr": "fp32"},
-             {**ints, "eps": "fp32"}, blocks_k),
+    warps = {pre._norm_proj_forward: fwd.warps, pre._norm_proj_backward_x: bwd_x.warps,
+             pre._norm_proj_backward_fn: bwd_fn.warps}
+    cases = [(pre._norm_proj_forward, {"x_ptr": dtype, "fn_ptr": dtype, "z_ptr": "fp32", "rstd_ptr": "fp32",
+                                       "part_ptr": "fp32", "sq_ptr": "fp32"},
+              {**ints, "CHUNK": "i32", "eps": "fp32"},
+              {"ONE": one, "WP": wp, "BLOCK_T": fwd.block_t, "BLOCK_K": fwd.block_k}) for one in (True, False)]
+    cases += [(pre._norm_proj_backward_fn, {"x_ptr": dtype, "rstd_ptr": "fp32", "dz_ptr": "fp32", "dfn_ptr": dtype,
+                                            "part_ptr": "fp32"}, {**ints, "CHUNK": "i32"},
+               {"ONE": one, "BF16": bf16, "WP": wp, "BLOCK_T": bwd_fn.block_t, "BLOCK_K": bwd_fn.block_k})
+              for one in (True, False)]
+    for kernel, pointers, scalars, constants in (*cases,  # constants in each kernel's parameter order
+            (pre._norm_proj_finish, {"part_ptr": "fp32", "sq_ptr": "fp32", "z_ptr": "fp32", "rstd_ptr": "fp32"},
+             {**ints, "S": "i32", "eps": "fp32"}, {"WP": wp, "BLOCK_T": pre.BLOCK_T}),
             (pre._norm_proj_backward_x, {"x_ptr": dtype, "fn_ptr": dtype, "z_ptr": "fp32", "rstd_ptr": "fp32",
-                                         "dz_ptr": "fp32", "dx_ptr": dtype}, ints, {"BF16": bf16, **blocks_k}),
-            (pre._norm_proj_backward_fn, {"x_ptr": dtype, "rstd_ptr": "fp32", "dz_ptr": "fp32", "dfn_ptr": dtype},
-             ints, {"BF16": bf16, **blocks_k}),
+                                         "dz_ptr": "fp32", "dx_ptr": dtype}, ints,
+             {"BF16": bf16, "WP": wp, "BLOCK_T": bwd_x.block_t, "BLOCK_K": bwd_x.block_k}),
+            (pre._sum_parts, {"part_ptr": "fp32", "out_ptr": dtype}, {"S": "i32", "M": "i32"},
+             {"BF16": bf16, "BLOCK": pre.FINISH_BLOCK}),
             (pre._pre_sum_forward, {"pre_ptr": "fp32", "s_ptr": dtype, "out_ptr": dtype}, {"T": "i32", "H": "i32"},
              {"N": n, "BF16": bf16, **blocks_h}),
             (pre._pre_sum_backward, {"pre_ptr": "fp32", "s_ptr": dtype, "g_ptr": dtype, "d_pre_ptr": "fp32",
@@ -231,7 +261,7 @@ def test_kernels_compile_for_hopper(n: int, dtype: str) -> None:
              {"N": n, "NP": triton.next_power_of_2(n), "BF16": bf16, **blocks_h})):
         signature = {**{p: f"*{t}" for p, t in pointers.items()}, **scalars, **{c: "constexpr" for c in constants}}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps.get(kernel, 4)})
         assert compiled.asm["cubin"], kernel
 
 
@@ -241,3 +271,5 @@ def test_kernels_match_the_exact_result_gpu() -> None:
         pytest.skip("needs a CUDA GPU")
     compare("cuda", reruns=True)
     refusals("cuda")
+    small_chunks()
+    compare("cuda", reruns=True)

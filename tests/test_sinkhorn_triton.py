@@ -187,13 +187,14 @@ def test_kernels_compile_for_hopper(n: int) -> None:
     from kpool_layers.kernels import sinkhorn_triton
 
     np_ = triton.next_power_of_2(n)
-    constants = {"ITERS": 20, "N": n, "NP": np_, "BLOCK": max(1, sinkhorn_triton.BLOCK_ENTRIES // np_**2),
-                 "LIBDEVICE": True}
-    for kernel, pointers in ((sinkhorn_triton._forward_kernel, ["logits_ptr", "out_ptr"]),
-                             (sinkhorn_triton._backward_kernel, ["logits_ptr", "grad_ptr", "out_ptr"])):
+    sk = sinkhorn_triton
+    for kernel, pointers, entries, warps in (
+            (sk._forward_kernel, ["logits_ptr", "out_ptr"], sk.BLOCK_ENTRIES, sk.WARPS),
+            (sk._backward_kernel, ["logits_ptr", "grad_ptr", "out_ptr"], sk.BACKWARD_BLOCK_ENTRIES, sk.BACKWARD_WARPS)):
+        constants = {"ITERS": 20, "N": n, "NP": np_, "BLOCK": max(1, entries // np_**2), "LIBDEVICE": True}
         signature = {**{p: "*fp32" for p in pointers}, "M": "i32", "eps": "fp32", **{c: "constexpr" for c in constants}}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         assert compiled.asm["cubin"], kernel
 
 

@@ -31,7 +31,7 @@ order, so the two agree within the bounds of ``tests/test_mhc_mix_triton.py``, n
 
 Layouts: row-major ``[T, N]``, ``[T, N, N]``, ``[T, h]``, ``[T, N, h]`` (a non-contiguous input is
 copied first). Forward programs own ``BLOCK_T`` tokens x ``BLOCK_H`` channels; backward programs
-own ``BLOCK_T`` tokens and walk all channels, so the channel sums need no second pass.
+own ``BACKWARD_BLOCK_T`` tokens and walk all channels, so the channel sums need no second pass.
 """
 
 from __future__ import annotations
@@ -48,6 +48,15 @@ MAX_N = 8
 
 BLOCK_T = 8
 BLOCK_H = 128
+WARPS = 4
+"""Forward programs: ``BLOCK_T`` tokens x ``BLOCK_H`` channels, ``WARPS`` warps."""
+BACKWARD_BLOCK_T = 2
+BACKWARD_BLOCK_H = 256
+BACKWARD_WARPS = 2
+"""Backward programs: ``BACKWARD_BLOCK_T`` tokens, all channels in ``BACKWARD_BLOCK_H`` chunks (the
+order of the channel sums), ``BACKWARD_WARPS`` warps. All six: the fastest of
+``scripts/bench/mhc_tune.py``'s sweep on an H100 (docs/results/mhc_tune_h100.json; the forward's
+shapes all within 2% of each other)."""
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (read, as by triton, when this module is imported)."""
@@ -157,8 +166,7 @@ def _flat(post: torch.Tensor, comb: torch.Tensor, block_output: torch.Tensor,
 
 def _meta(streams: torch.Tensor) -> dict[str, object]:
     n = streams.shape[-2]
-    return {"N": n, "NP": triton.next_power_of_2(n), "BF16": streams.dtype == torch.bfloat16,
-            "BLOCK_T": BLOCK_T, "BLOCK_H": BLOCK_H}
+    return {"N": n, "NP": triton.next_power_of_2(n), "BF16": streams.dtype == torch.bfloat16}
 
 
 class _MixStreams(torch.autograd.Function):
@@ -172,7 +180,7 @@ class _MixStreams(torch.autograd.Function):
         out = torch.empty_like(flat[3])
         if t and h:
             _forward_kernel[(triton.cdiv(t, BLOCK_T), triton.cdiv(h, BLOCK_H))](
-                *flat, out, t, h, **_meta(streams), num_warps=4)
+                *flat, out, t, h, **_meta(streams), BLOCK_T=BLOCK_T, BLOCK_H=BLOCK_H, num_warps=WARPS)
         return out.view(streams.shape)
 
     @staticmethod
@@ -183,9 +191,10 @@ class _MixStreams(torch.autograd.Function):
         d_post, d_comb = torch.empty_like(post), torch.empty_like(comb)
         d_bo, d_s = torch.empty_like(block_output), torch.empty_like(streams)
         if t and h:
-            _backward_kernel[(triton.cdiv(t, BLOCK_T),)](
+            _backward_kernel[(triton.cdiv(t, BACKWARD_BLOCK_T),)](
                 post, comb, block_output, streams, grad.reshape(t, n, h).to(streams.dtype).contiguous(),
-                d_post, d_comb, d_bo, d_s, t, h, **_meta(streams), num_warps=8)
+                d_post, d_comb, d_bo, d_s, t, h, **_meta(streams), BLOCK_T=BACKWARD_BLOCK_T,
+                BLOCK_H=BACKWARD_BLOCK_H, num_warps=BACKWARD_WARPS)
         else:  # no tokens or no channels: nothing to launch; the channel sums are empty
             d_post.zero_()
             d_comb.zero_()

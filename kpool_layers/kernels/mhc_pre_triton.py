@@ -1,5 +1,6 @@
-"""The mHC block's input side in Triton kernels: the normalised projection of the streams (one kernel
-forward, two backward) and the pre-weighted stream sum (one kernel each way).
+"""The mHC block's input side in Triton kernels: the normalised projection of the streams (a split
+sum and its finish forward, two kernels and a finish backward) and the pre-weighted stream sum (one
+kernel each way).
 
 :func:`norm_project` and :func:`pre_sum` compute what
 :class:`kpool_layers.hyper_connections.mhc.HyperConnection` computes with torch ops (an FP32 copy of
@@ -24,9 +25,11 @@ per kernel and writing no FP32 copy of them:
   ``R``: rounding to the streams' dtype where the torch ops round.
 
 Rounding to BF16 is done on the bits (:func:`kpool_layers.kernels.mhc_mix_triton._round`), so
-Triton's interpreter rounds as a GPU does. Sums run in a fixed order (the ``K`` and channel sums
-chunk after chunk inside one program, the token sum of ``d fn`` likewise in the one program that
-owns its columns): results are bit-identical run to run. The products ``x @ fn^T``, ``dz @ fn`` and
+Triton's interpreter rounds as a GPU does. Sums run in a fixed order: the ``K`` sums of ``z`` in
+chunks of ``TILES["proj_forward"].chunk`` columns, one program per chunk (tile after tile inside
+it), whose FP32 partial sums a second kernel adds in chunk order; the token sum of ``d fn`` the
+same way in chunks of tokens; the channel sums tile after tile inside one program. Results are
+bit-identical run to run (they depend on the shapes and :data:`TILES`, not on the GPU). The products ``x @ fn^T``, ``dz @ fn`` and
 ``da^T @ x`` are ``tl.dot`` in IEEE FP32. Against the torch ops they agree within the bounds of
 ``tests/test_mhc_pre_triton.py``, not bit for bit.
 
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,8 +53,32 @@ MAX_N = 8
 """Largest stream count the kernels take."""
 
 BLOCK_T = 16
-BLOCK_K = 64
 BLOCK_H = 128
+"""Tokens and channels per program of the pre-weighted sum."""
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """How one norm-projection kernel is launched: ``block_t`` tokens by ``block_k`` columns of
+    ``K`` per tile, ``chunk`` the columns (forward) or tokens (``d fn``) one program sums over
+    before it writes a partial sum (rounded up to whole tiles; ``0``: all of them, no partial
+    sums), and ``warps`` per program. The chunking fixes the order of every sum, so results depend
+    on the shapes and these tiles, never on the GPU or on timing."""
+
+    block_t: int
+    block_k: int
+    chunk: int
+    warps: int
+
+
+TILES = {"proj_forward": Tiles(block_t=64, block_k=128, chunk=2048, warps=8),
+         "proj_backward_x": Tiles(block_t=16, block_k=256, chunk=0, warps=4),
+         "proj_backward_fn": Tiles(block_t=16, block_k=128, chunk=512, warps=4)}
+"""The launches of the three norm-projection kernels: the fastest of ``scripts/bench/mhc_tune.py``'s
+sweep on an H100 at 4,096 tokens of 4 streams of 4,096 and 2,048 (docs/results/mhc_tune_h100.json)."""
+
+FINISH_BLOCK = 1024
+"""Elements per program of the kernels that add partial sums."""
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (read, as by triton, when this module is imported)."""
@@ -60,14 +88,19 @@ _FN_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _norm_proj_forward(x_ptr, fn_ptr, z_ptr, rstd_ptr, T, K, W, eps,
+def _norm_proj_forward(x_ptr, fn_ptr, z_ptr, rstd_ptr, part_ptr, sq_ptr, T, K, W, CHUNK, eps, ONE: tl.constexpr,
                        WP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, s)``: tokens ``i BLOCK_T ..`` over the ``s``-th ``CHUNK`` of ``K``. One chunk
+    (``ONE``): ``z`` and ``rstd``; else the chunk's partial products ``part [S, T, W]`` and sums
+    of squares ``sq [S, T]``, which :func:`_norm_proj_finish` adds."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.program_id(1)
     w = tl.arange(0, WP)
     t64 = t.to(tl.int64)
     acc = tl.zeros([BLOCK_T, WP], dtype=tl.float32)
     squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_lo = s * CHUNK
+    for k0 in range(k_lo, tl.minimum(k_lo + CHUNK, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :],
                     other=0.0).to(tl.float32)
@@ -75,8 +108,32 @@ def _norm_proj_forward(x_ptr, fn_ptr, z_ptr, rstd_ptr, T, K, W, eps,
                     other=0.0).to(tl.float32)
         squares += tl.sum(x * x, axis=1)
         acc += tl.dot(x, tl.trans(f), input_precision="ieee")
-    rstd = 1.0 / tl.sqrt(squares / K + eps)
     tw = (t < T)[:, None] & (w < W)[None, :]
+    if ONE:
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
+        tl.store(z_ptr + t64[:, None] * W + w[None, :], acc * rstd[:, None], mask=tw)
+        tl.store(rstd_ptr + t64, rstd, mask=t < T)
+    else:
+        row = s.to(tl.int64) * T + t64
+        tl.store(part_ptr + row[:, None] * W + w[None, :], acc, mask=tw)
+        tl.store(sq_ptr + row, squares, mask=t < T)
+
+
+@triton.jit
+def _norm_proj_finish(part_ptr, sq_ptr, z_ptr, rstd_ptr, T, K, W, S, eps,
+                      WP: tl.constexpr, BLOCK_T: tl.constexpr):
+    """``z`` and ``rstd`` from the ``S`` chunks' partial sums, added in chunk order."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    w = tl.arange(0, WP)
+    t64 = t.to(tl.int64)
+    tw = (t < T)[:, None] & (w < W)[None, :]
+    acc = tl.zeros([BLOCK_T, WP], dtype=tl.float32)
+    squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for s in range(S):
+        row = s * T + t64
+        acc += tl.load(part_ptr + row[:, None] * W + w[None, :], mask=tw, other=0.0)
+        squares += tl.load(sq_ptr + row, mask=t < T, other=0.0)
+    rstd = 1.0 / tl.sqrt(squares / K + eps)
     tl.store(z_ptr + t64[:, None] * W + w[None, :], acc * rstd[:, None], mask=tw)
     tl.store(rstd_ptr + t64, rstd, mask=t < T)
 
@@ -84,7 +141,9 @@ def _norm_proj_forward(x_ptr, fn_ptr, z_ptr, rstd_ptr, T, K, W, eps,
 @triton.jit
 def _norm_proj_backward_x(x_ptr, fn_ptr, z_ptr, rstd_ptr, dz_ptr, dx_ptr, T, K, W,
                           BF16: tl.constexpr, WP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, j)``: ``d x`` of tokens ``i BLOCK_T ..`` and columns ``j BLOCK_K ..``."""
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     w = tl.arange(0, WP)
     t64 = t.to(tl.int64)
     tw = (t < T)[:, None] & (w < W)[None, :]
@@ -93,23 +152,26 @@ def _norm_proj_backward_x(x_ptr, fn_ptr, z_ptr, rstd_ptr, dz_ptr, dx_ptr, T, K, 
     rstd = tl.load(rstd_ptr + t64, mask=t < T, other=0.0)
     da = dz * rstd[:, None]
     coef = rstd * rstd * tl.sum(dz * z, axis=1) / K
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        tk = (t < T)[:, None] & (k < K)[None, :]
-        x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=tk, other=0.0).to(tl.float32)
-        f = tl.load(fn_ptr + w[:, None] * K + k[None, :], mask=(w < W)[:, None] & (k < K)[None, :],
-                    other=0.0).to(tl.float32)
-        dx = tl.dot(da, f, input_precision="ieee") - x * coef[:, None]
-        tl.store(dx_ptr + t64[:, None] * K + k[None, :], _round(dx, BF16).to(dx_ptr.dtype.element_ty), mask=tk)
+    tk = (t < T)[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=tk, other=0.0).to(tl.float32)
+    f = tl.load(fn_ptr + w[:, None] * K + k[None, :], mask=(w < W)[:, None] & (k < K)[None, :],
+                other=0.0).to(tl.float32)
+    dx = tl.dot(da, f, input_precision="ieee") - x * coef[:, None]
+    tl.store(dx_ptr + t64[:, None] * K + k[None, :], _round(dx, BF16).to(dx_ptr.dtype.element_ty), mask=tk)
 
 
 @triton.jit
-def _norm_proj_backward_fn(x_ptr, rstd_ptr, dz_ptr, dfn_ptr, T, K, W,
+def _norm_proj_backward_fn(x_ptr, rstd_ptr, dz_ptr, dfn_ptr, part_ptr, T, K, W, CHUNK, ONE: tl.constexpr,
                            BF16: tl.constexpr, WP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(j, s)``: columns ``j BLOCK_K ..`` of ``d fn`` summed over the ``s``-th ``CHUNK`` of
+    tokens. One chunk (``ONE``): ``d fn``; else the partial sums ``part [S, W, K]``, which
+    :func:`_sum_parts` adds."""
     k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    s = tl.program_id(1)
     w = tl.arange(0, WP)
     acc = tl.zeros([WP, BLOCK_K], dtype=tl.float32)
-    for t0 in range(0, T, BLOCK_T):
+    t_lo = s * CHUNK
+    for t0 in range(t_lo, tl.minimum(t_lo + CHUNK, T), BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t64 = t.to(tl.int64)
         dz = tl.load(dz_ptr + t64[:, None] * W + w[None, :], mask=(t < T)[:, None] & (w < W)[None, :], other=0.0)
@@ -117,8 +179,21 @@ def _norm_proj_backward_fn(x_ptr, rstd_ptr, dz_ptr, dfn_ptr, T, K, W,
         x = tl.load(x_ptr + t64[:, None] * K + k[None, :], mask=(t < T)[:, None] & (k < K)[None, :],
                     other=0.0).to(tl.float32)
         acc += tl.dot(tl.trans(dz * rstd[:, None]), x, input_precision="ieee")
-    tl.store(dfn_ptr + w[:, None] * K + k[None, :], _round(acc, BF16).to(dfn_ptr.dtype.element_ty),
-             mask=(w < W)[:, None] & (k < K)[None, :])
+    wk = (w < W)[:, None] & (k < K)[None, :]
+    if ONE:
+        tl.store(dfn_ptr + w[:, None] * K + k[None, :], _round(acc, BF16).to(dfn_ptr.dtype.element_ty), mask=wk)
+    else:
+        tl.store(part_ptr + (s.to(tl.int64) * W + w[:, None]) * K + k[None, :], acc, mask=wk)
+
+
+@triton.jit
+def _sum_parts(part_ptr, out_ptr, S, M, BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[i] = R(sum_s part[s, i])`` over ``part [S, M]`` FP32, added in ``s`` order."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(S):
+        acc += tl.load(part_ptr + s * M + i.to(tl.int64), mask=i < M, other=0.0)
+    tl.store(out_ptr + i, _round(acc, BF16).to(out_ptr.dtype.element_ty), mask=i < M)
 
 
 @triton.jit
@@ -192,6 +267,15 @@ def _wp(w: int) -> int:
     return max(16, triton.next_power_of_2(w))
 
 
+def _chunks(total: int, tiles: Tiles, block: int) -> tuple[int, int]:
+    """``(chunk, count)``: ``tiles.chunk`` rounded up to whole ``block``s (all of ``total`` when 0),
+    and how many chunks cover ``total`` (at least 1)."""
+    if tiles.chunk <= 0 or tiles.chunk >= total:
+        return max(total, 1), 1
+    chunk = triton.cdiv(tiles.chunk, block) * block
+    return chunk, triton.cdiv(total, chunk)
+
+
 class _NormProject(torch.autograd.Function):
     @staticmethod
     def forward(ctx, streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -201,8 +285,18 @@ class _NormProject(torch.autograd.Function):
         z = torch.empty(t, w, dtype=torch.float32, device=streams.device)
         rstd = torch.empty(t, dtype=torch.float32, device=streams.device)
         if t:
-            _norm_proj_forward[(triton.cdiv(t, BLOCK_T),)](x, f, z, rstd, t, k, w, eps, WP=_wp(w),
-                                                          BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, num_warps=4)
+            tiles = TILES["proj_forward"]
+            chunk, count = _chunks(k, tiles, tiles.block_k)
+            part, sq = z, rstd  # one chunk: the kernel writes z and rstd, no partial sums
+            if count > 1:
+                part = torch.empty(count, t, w, dtype=torch.float32, device=streams.device)
+                sq = torch.empty(count, t, dtype=torch.float32, device=streams.device)
+            _norm_proj_forward[(triton.cdiv(t, tiles.block_t), count)](
+                x, f, z, rstd, part, sq, t, k, w, chunk, eps, ONE=count == 1, WP=_wp(w), BLOCK_T=tiles.block_t,
+                BLOCK_K=tiles.block_k, num_warps=tiles.warps)
+            if count > 1:
+                _norm_proj_finish[(triton.cdiv(t, BLOCK_T),)](part, sq, z, rstd, t, k, w, count, eps, WP=_wp(w),
+                                                             BLOCK_T=BLOCK_T, num_warps=4)
         ctx.save_for_backward(x, f, z, rstd)
         ctx.streams_shape = streams.shape
         return z.view(*streams.shape[:-2], w)
@@ -214,13 +308,22 @@ class _NormProject(torch.autograd.Function):
         (t, k), w = x.shape, f.shape[0]
         dz = dz.reshape(t, w).float().contiguous()
         dx, dfn = torch.empty_like(x), torch.empty_like(f)
-        meta = {"WP": _wp(w), "BLOCK_T": BLOCK_T, "BLOCK_K": BLOCK_K}
-        if t:
-            _norm_proj_backward_x[(triton.cdiv(t, BLOCK_T),)](x, f, z, rstd, dz, dx, t, k, w,
-                                                              BF16=x.dtype == torch.bfloat16, **meta, num_warps=4)
+        if t and k:
+            tiles = TILES["proj_backward_x"]
+            _norm_proj_backward_x[(triton.cdiv(t, tiles.block_t), triton.cdiv(k, tiles.block_k))](
+                x, f, z, rstd, dz, dx, t, k, w, BF16=x.dtype == torch.bfloat16, WP=_wp(w), BLOCK_T=tiles.block_t,
+                BLOCK_K=tiles.block_k, num_warps=tiles.warps)
         if k:
-            _norm_proj_backward_fn[(triton.cdiv(k, BLOCK_K),)](x, rstd, dz, dfn, t, k, w,
-                                                               BF16=f.dtype == torch.bfloat16, **meta, num_warps=4)
+            tiles = TILES["proj_backward_fn"]
+            chunk, count = _chunks(t, tiles, tiles.block_t)
+            part = torch.empty(count, w, k, dtype=torch.float32, device=x.device) if count > 1 else dz
+            bf16 = f.dtype == torch.bfloat16
+            _norm_proj_backward_fn[(triton.cdiv(k, tiles.block_k), count)](
+                x, rstd, dz, dfn, part, t, k, w, chunk, ONE=count == 1, BF16=bf16, WP=_wp(w),
+                BLOCK_T=tiles.block_t, BLOCK_K=tiles.block_k, num_warps=tiles.warps)
+            if count > 1:
+                _sum_parts[(triton.cdiv(w * k, FINISH_BLOCK),)](part, dfn, count, w * k, BF16=bf16,
+                                                                BLOCK=FINISH_BLOCK, num_warps=4)
         return dx.view(ctx.streams_shape), dfn, None
 
 

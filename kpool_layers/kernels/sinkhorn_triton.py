@@ -35,7 +35,14 @@ MAX_N = 8
 """Largest ``N`` the kernel takes (a program holds ``BLOCK x NP x NP`` FP32 values)."""
 
 BLOCK_ENTRIES = 1024
-"""Matrix entries per program: ``BLOCK = BLOCK_ENTRIES // NP^2`` matrices (64 of 4 x 4)."""
+WARPS = 4
+"""Forward programs: ``BLOCK = BLOCK_ENTRIES // NP^2`` matrices (64 of 4 x 4), ``WARPS`` warps."""
+BACKWARD_BLOCK_ENTRIES = 128
+BACKWARD_WARPS = 1
+"""Backward programs, likewise. A matrix is computed by one program whatever the block, so these
+four (the fastest of ``scripts/bench/mhc_tune.py``'s sweep on an H100,
+docs/results/mhc_tune_h100.json; the forward's within 3% of each other) change the speed, never the
+result."""
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels (read, as by triton, when this module is imported)."""
@@ -152,14 +159,15 @@ def _launch(kernel: triton.JITFunction, logits: torch.Tensor, iters: int, eps: f
                          f"{list(logits.shape)}")
     n = logits.shape[-1]
     np_ = triton.next_power_of_2(n)
-    block = max(1, BLOCK_ENTRIES // (np_ * np_))
+    entries, warps = (BLOCK_ENTRIES, WARPS) if grad is None else (BACKWARD_BLOCK_ENTRIES, BACKWARD_WARPS)
+    block = max(1, entries // (np_ * np_))
     flat = logits.reshape(-1, n, n).contiguous()
     out = torch.empty_like(flat)
     m = flat.shape[0]
     if m:
         extra = () if grad is None else (grad.reshape(-1, n, n).contiguous(),)
         kernel[(triton.cdiv(m, block),)](flat, *extra, out, m, float(eps), ITERS=iters, N=n, NP=np_, BLOCK=block,
-                                         LIBDEVICE=not _INTERPRETED, num_warps=4)
+                                         LIBDEVICE=not _INTERPRETED, num_warps=warps)
     return out.view(logits.shape)
 
 
