@@ -26,15 +26,15 @@ from recipes.observe.precision_map import KERNEL_ROUTES, format_rows, route_rows
 
 CPU = Machine(cuda=False)
 KEYS = {"dsa", "fp8_gemm", "fp8_quant", "fp8_dequant", "serving_quant", "hadamard", "grouped_gemm", "grouped_mm",
-        "loss", "wgrad", "linear_attention", "mhc_mixing", "mhc_stream_mix", "mhc_norm_proj", "mhc_pre_sum"}
+        "loss", "wgrad", "linear_attention", "mhc_gates", "mhc_stream_mix", "mhc_norm_proj", "mhc_pre_sum"}
 FALLBACK = {"dsa": "torch", "fp8_gemm": "emulate", "fp8_quant": "torch", "fp8_dequant": "torch",
             "serving_quant": "torch", "hadamard": "torch", "grouped_gemm": "loop", "grouped_mm": "loop",
-            "loss": "megatron", "wgrad": "kpool", "linear_attention": "torch", "mhc_mixing": "torch",
+            "loss": "megatron", "wgrad": "kpool", "linear_attention": "torch", "mhc_gates": "torch",
             "mhc_stream_mix": "torch", "mhc_norm_proj": "torch", "mhc_pre_sum": "torch"}
 CUDA_ONLY = {"dsa": ["triton"], "fp8_gemm": [], "fp8_quant": ["triton"], "fp8_dequant": ["triton"],
              "serving_quant": ["triton"], "hadamard": ["triton"], "grouped_gemm": ["triton"],
              "grouped_mm": ["grouped_mm"], "loss": ["triton"], "wgrad": [], "linear_attention": ["fla"],
-             "mhc_mixing": ["triton"], "mhc_stream_mix": ["triton"], "mhc_norm_proj": ["triton"],
+             "mhc_gates": ["triton"], "mhc_stream_mix": ["triton"], "mhc_norm_proj": ["triton"],
              "mhc_pre_sum": ["triton"]}
 """The backends of each key that decline for want of a CUDA device (fp8_gemm's torch declines for
 want of an FP8 GPU, wgrad's apex for want of apex's extension)."""
@@ -142,7 +142,7 @@ def test_kernel_backends_load_what_their_owners_call() -> None:
     names the owners look up per call, so a renamed kernel function fails here, not on a GPU."""
     wanted = {"hadamard": ("supports", "hadamard_triton"), "serving_quant": ("supports", "serving_index_quant_triton"),
               "fp8_quant": ("quantize",), "fp8_dequant": ("dequantize",), "grouped_gemm": ("grouped_gemm",),
-              "mhc_mixing": ("supports", "mixing_matrix"), "mhc_stream_mix": ("supports", "mix_streams"),
+              "mhc_gates": ("supports", "gates"), "mhc_stream_mix": ("supports", "mix_streams"),
               "mhc_norm_proj": ("supports_norm_project", "norm_project"), "mhc_pre_sum": ("supports_pre_sum", "pre_sum")}
     for key, names in wanted.items():
         module = kernel_routes.ROUTES[key].backend("triton").load()
@@ -208,7 +208,7 @@ def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
                 "serving_quant": "triton", "hadamard": "triton", "grouped_gemm": "triton",
                 "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool",
                 "linear_attention": "fla" if importlib.util.find_spec("fla") is not None else "torch",
-                "mhc_mixing": "triton", "mhc_stream_mix": "triton", "mhc_norm_proj": "triton", "mhc_pre_sum": "triton"}
+                "mhc_gates": "triton", "mhc_stream_mix": "triton", "mhc_norm_proj": "triton", "mhc_pre_sum": "triton"}
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
         expected["wgrad"] = "apex"
     for key, backend in expected.items():
@@ -225,13 +225,13 @@ def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU resolution")
 def test_pin_fixes_the_default_until_unpinned() -> None:
-    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+    from kpool_layers.hyper_connections.mhc import GATES
 
     try:
-        with pytest.raises(KernelUnavailable, match="kernel route 'mhc_mixing'=triton cannot run here: no CUDA device"):
-            MIXING_MATRIX.pin("triton")
-        MIXING_MATRIX.pin("torch")
-        assert MIXING_MATRIX.default().backend == "torch" and MIXING_MATRIX.default().forced
+        with pytest.raises(KernelUnavailable, match="kernel route 'mhc_gates'=triton cannot run here: no CUDA device"):
+            GATES.pin("triton")
+        GATES.pin("torch")
+        assert GATES.default().backend == "torch" and GATES.default().forced
     finally:
-        MIXING_MATRIX.pin(None)
-    assert MIXING_MATRIX.default().backend == "torch" and not MIXING_MATRIX.default().forced
+        GATES.pin(None)
+    assert GATES.default().backend == "torch" and not GATES.default().forced

@@ -14,11 +14,11 @@ token dims). Around each attention or MLP block ``F``::
 
 Sinkhorn, in float32: normalise the columns, then ``hc_sinkhorn_iters - 1`` times the rows and
 the columns (each division by ``sum + hc_eps``): ``comb`` is doubly stochastic up to the
-iteration's convergence. The row softmax and Sinkhorn (:func:`mixing_matrix`) take the kernel
-route :data:`MIXING_MATRIX`: one Triton kernel forward and one backward on CUDA
-(:mod:`kpool_layers.kernels.sinkhorn_triton`; ``N <= 8``), else :func:`torch_mixing_matrix`, the
-torch ops transformers runs (``6 hc_sinkhorn_iters`` kernels forward, about twice that backward,
-per block). The embeddings enter as ``N`` copies (:func:`expand_streams`); the last
+iteration's convergence. The gates, ``z`` to ``pre``, ``post`` and ``comb`` (:func:`gates`), take the
+kernel route :data:`GATES`: one Triton kernel forward and two backward on CUDA
+(:mod:`kpool_layers.kernels.mhc_gates_triton`; ``N <= 8``), else :func:`torch_gates`, the torch ops
+transformers runs (``6 hc_sinkhorn_iters + 12`` kernels forward, about twice that backward, per
+block). The embeddings enter as ``N`` copies (:func:`expand_streams`); the last
 layer's streams are collapsed by their unweighted mean (:func:`collapse_streams`) before the
 final norm.
 
@@ -159,28 +159,45 @@ def torch_mixing_matrix(logits: Tensor, iters: int, eps: float) -> Tensor:
     return sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
 
 
+def torch_gates(z: Tensor, base: Tensor, scale: Tensor, n: int, iters: int,
+                eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pre [..., n], post [..., n], comb [..., n, n])`` FP32 from the projection ``z [..., (2 + n)
+    n]`` in torch ops (transformers' order): ``y = z * scale[group] + base`` per column group
+    ``[pre | post | comb]``, ``pre = sigmoid(y_pre) + eps``, ``post = 2 sigmoid(y_post)``, ``comb =``
+    :func:`torch_mixing_matrix` of ``y_comb``; ``base [(2 + n) n]``, ``scale [3]`` used in FP32."""
+    pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = scale.float().unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    return pre, post, torch_mixing_matrix(comb_w * comb_scale + comb_b.view(n, n), iters, eps)
+
+
 def _triton() -> ModuleType:
-    from kpool_layers.kernels import sinkhorn_triton
+    from kpool_layers.kernels import mhc_gates_triton
 
-    return sinkhorn_triton
-
-
-MIXING_MATRIX = register(Route("mhc_mixing", (
-    KernelBackend("triton", _triton, "row softmax + Sinkhorn in one Triton kernel forward, one backward (FP32, N <= 8)",
-                  declines=(needs_cuda, needs_package("triton"))),
-    KernelBackend("torch", lambda: torch_mixing_matrix, "torch ops: softmax, then 2 iters - 1 normalisations of 3 ops"),
-), summary="mHC mixing matrix (row softmax + Sinkhorn)"))
-"""``mhc_mixing``: the Triton kernel module (its ``supports`` and ``mixing_matrix`` looked up per
-call) or :func:`torch_mixing_matrix`."""
+    return mhc_gates_triton
 
 
-def mixing_matrix(logits: Tensor, iters: int, eps: float) -> Tensor:
-    """``comb [..., N, N]`` FP32 = Sinkhorn(``softmax(logits, rows) + eps``) (module docstring) through
-    :data:`MIXING_MATRIX`; a tensor the kernel does not take runs the torch ops."""
-    route = MIXING_MATRIX.default()
-    if route.backend == "triton" and route.kernel.supports(logits):
-        return route.kernel.mixing_matrix(logits, iters, eps)
-    return torch_mixing_matrix(logits, iters, eps)
+GATES = register(Route("mhc_gates", (
+    KernelBackend("triton", _triton, "the gates' affine maps, sigmoids, row softmax and Sinkhorn in one Triton "
+                  "kernel forward, two backward (FP32, N <= 8)", declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: torch_gates, "torch ops: an affine map and a sigmoid per gate, softmax, then "
+                  "2 iters - 1 normalisations of 3 ops"),
+), summary="mHC gates (pre, post, and the mixing matrix by row softmax + Sinkhorn)"))
+"""``mhc_gates``: the Triton kernel module (its ``supports`` and ``gates`` looked up per call) or
+:func:`torch_gates`."""
+
+
+def gates(z: Tensor, base: Tensor, scale: Tensor, n: int, iters: int, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``(pre, post, comb)`` of :func:`torch_gates` through :data:`GATES` (FP32 sums in another order
+    on the kernel, :mod:`kpool_layers.kernels.mhc_gates_triton`); tensors the kernel does not take run
+    the torch ops."""
+    route = GATES.default()
+    if route.backend == "triton" and route.kernel.supports(z, base, scale, n):
+        return route.kernel.gates(z, base, scale, n, iters, eps)
+    return torch_gates(z, base, scale, n, iters, eps)
 
 
 class HyperConnection(MegatronModule):
@@ -222,13 +239,6 @@ class HyperConnection(MegatronModule):
                 self.fn.normal_(0.0, 0.02)
 
     def forward(self, streams: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        n = self.hc_mult
         z = norm_project(streams, self.fn, self.norm_eps)  # mhc.proj: FP32 in every profile
-        pre_w, post_w, comb_w = z.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        pre_scale, post_scale, comb_scale = self.scale.float().unbind(0)
-        comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
-        pre = torch.sigmoid(pre_w * pre_scale + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * post_scale + post_b)
-        comb = mixing_matrix(comb_w * comb_scale + comb_b.view(n, n), self.hc_sinkhorn_iters, self.hc_eps)
+        pre, post, comb = gates(z, self.base, self.scale, self.hc_mult, self.hc_sinkhorn_iters, self.hc_eps)
         return post, comb, pre_sum(pre, streams)

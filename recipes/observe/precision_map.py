@@ -51,7 +51,7 @@ from kpool_layers.precision.fp8 import SERVING_QUANT
 from kpool_layers.precision.hadamard import HADAMARD
 from kpool_layers.precision.policy import FP8_DEQUANT, FP8_GEMM, FP8_QUANT
 from kpool_layers.moe.experts import GroupedExperts
-from kpool_layers.hyper_connections.mhc import MIXING_MATRIX, NORM_PROJECT, PRE_SUM, STREAM_MIX, HyperConnection
+from kpool_layers.hyper_connections.mhc import GATES, NORM_PROJECT, PRE_SUM, STREAM_MIX, HyperConnection
 from kpool_layers.dsa.indexer import DSAIndexer
 from kpool_layers.linear_attention.backends import LINEAR_ATTENTION
 from kpool_layers.precision.policy import LinearNumerics, PrecisionPolicy, resolve_backend
@@ -65,7 +65,7 @@ _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 NO_ROLE_NOTE = "no precision role: left as built"
 
 KERNEL_ROUTES: tuple[kernel_routes.Route, ...] = (DSA, FP8_GEMM, FP8_QUANT, FP8_DEQUANT, SERVING_QUANT, HADAMARD,
-                                                  GROUPED_FP8, GROUPED_MM, LOSS, WGRAD, LINEAR_ATTENTION, MIXING_MATRIX,
+                                                  GROUPED_FP8, GROUPED_MM, LOSS, WGRAD, LINEAR_ATTENTION, GATES,
                                                   STREAM_MIX, NORM_PROJECT, PRE_SUM)
 """Every kernel route the map lists (imported here, so each is registered before it is listed)."""
 

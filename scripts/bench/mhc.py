@@ -1,18 +1,18 @@
-"""Benchmark the mHC hyper-connection of one block: the mixing matrix (row softmax + Sinkhorn)
-alone, the stream mixing alone, the stream norm + projection alone, the pre-weighted sum alone, and
-the whole ``HyperConnection`` with the stream mixing, forward + backward, with the ``mhc_mixing``,
-``mhc_stream_mix``, ``mhc_norm_proj`` and ``mhc_pre_sum`` routes on their Triton kernels and on the
-torch ops, side by side in one run.
+"""Benchmark the mHC hyper-connection of one block: the gates (pre, post and the mixing matrix by
+row softmax + Sinkhorn) alone, the stream mixing alone, the stream norm + projection alone, the
+pre-weighted sum alone, and the whole ``HyperConnection`` with the stream mixing, forward +
+backward, with the ``mhc_gates``, ``mhc_stream_mix``, ``mhc_norm_proj`` and ``mhc_pre_sum`` routes
+on their Triton kernels and on the torch ops, side by side in one run.
 
 Per token count (GLM-5.3's blocks: hidden 4096, 4 streams, 20 Sinkhorn iterations; bf16 streams
 and weights on the GPU, the mixing in FP32 as the model computes it):
 
-    mixing_<backend>  the mixing matrix of ``tokens`` FP32 logits ``[tokens, 4, 4]``
+    gates_<backend>   the gates of ``tokens`` FP32 projections ``[tokens, 24]`` (``mhc_gates``)
     mix_<backend>     ``post (x) block output + comb^T @ streams`` on ``[tokens, 4, hidden]`` streams
     proj_<backend>    ``z = rsqrt(mean(x^2) + eps) (x @ fn^T)`` of those streams (``mhc_norm_proj``)
     presum_<backend>  the block input ``sum_n pre_n streams_n`` (``mhc_pre_sum``)
-    block_<backend>   ``HyperConnection`` (stream norm, projection, gates, mixing matrix, block
-                      input) and ``mix_streams`` on a stand-in block output, as a decoder layer runs
+    block_<backend>   ``HyperConnection`` (stream norm, projection, gates, block input) and
+                      ``mix_streams`` on a stand-in block output, as a decoder layer runs
                       them, all four routes on ``<backend>``
 
 Each entry is the median of ``--repeats`` forward + backward passes after one warm-up (the first
@@ -36,20 +36,22 @@ GLM53 = dict(hidden=4096, streams=4, iters=20)
 SMALL = dict(hidden=16, streams=4, iters=20)
 
 
-def mixing_step(backend: str, tokens: int, shape: dict[str, Any], device: torch.device) -> Callable[[], None]:
-    """One forward + backward of the mixing matrix on random logits through ``backend``."""
-    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX
+def gates_step(backend: str, tokens: int, shape: dict[str, Any], device: torch.device) -> Callable[[], None]:
+    """One forward + backward of the gates on a random projection through ``backend``."""
+    from kpool_layers.hyper_connections.mhc import GATES
 
     n = shape["streams"]
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(tokens, n, n, generator=gen).to(device).requires_grad_()
-    grad = torch.randn(tokens, n, n, generator=gen).to(device)
-    kernel = MIXING_MATRIX.backend(backend).load()
-    fn = kernel.mixing_matrix if backend == "triton" else kernel
+    z = torch.randn(tokens, (2 + n) * n, generator=gen).to(device).requires_grad_()
+    base = torch.randn((2 + n) * n, generator=gen).to(device).requires_grad_()
+    scale = torch.ones(3, device=device).requires_grad_()
+    grads = [torch.randn(tokens, *dims, generator=gen).to(device) for dims in ((n,), (n,), (n, n))]
+    kernel = GATES.backend(backend).load()
+    fn = kernel.gates if backend == "triton" else kernel
 
     def step() -> None:
-        fn(logits, shape["iters"], 1e-6).backward(grad)
-        logits.grad = None
+        torch.autograd.backward(fn(z, base, scale, n, shape["iters"], 1e-6), grads)
+        z.grad = base.grad = scale.grad = None
     return step
 
 
@@ -135,9 +137,9 @@ def main() -> None:
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
 
-    from kpool_layers.hyper_connections.mhc import MIXING_MATRIX, NORM_PROJECT, PRE_SUM, STREAM_MIX
+    from kpool_layers.hyper_connections.mhc import GATES, NORM_PROJECT, PRE_SUM, STREAM_MIX
 
-    routes = (MIXING_MATRIX, STREAM_MIX, NORM_PROJECT, PRE_SUM)
+    routes = (GATES, STREAM_MIX, NORM_PROJECT, PRE_SUM)
     cuda, device, dtype = bench_device()
     shape = SMALL if args.small else GLM53
     backends = ["triton", "torch"] if cuda else ["torch"]
@@ -145,7 +147,7 @@ def main() -> None:
     for tokens in args.tokens:
         row: dict[str, Any] = {"tokens": tokens}
         for backend in backends:
-            row[f"mixing_{backend}"] = measure(mixing_step(backend, tokens, shape, device), args.repeats, cuda)
+            row[f"gates_{backend}"] = measure(gates_step(backend, tokens, shape, device), args.repeats, cuda)
             row[f"mix_{backend}"] = measure(mix_step(backend, tokens, shape, dtype, device), args.repeats, cuda)
             for what in ("proj", "presum"):
                 row[f"{what}_{backend}"] = measure(pre_step(what, backend, tokens, shape, dtype, device),
@@ -157,7 +159,7 @@ def main() -> None:
             finally:
                 for route in routes:
                     route.pin(None)
-        for what in ("block", "mixing", "mix", "proj", "presum"):
+        for what in ("block", "gates", "mix", "proj", "presum"):
             if cuda and row[f"{what}_triton"].get("ms") and row[f"{what}_torch"].get("ms"):
                 row[f"{what}_speedup"] = row[f"{what}_torch"]["ms"] / row[f"{what}_triton"]["ms"]
         rows.append(row)

@@ -2,7 +2,7 @@
 
 The kernels' block sizes and warps are module constants (``mhc_pre_triton.TILES``,
 ``mhc_mix_triton.BLOCK_T``/``BLOCK_H``/``WARPS`` and their ``BACKWARD_`` twins,
-``sinkhorn_triton.BLOCK_ENTRIES``/``WARPS`` and their ``BACKWARD_`` twins). For each launch this
+``mhc_gates_triton.BLOCK_ENTRIES``/``WARPS`` and their ``BACKWARD_`` twins). For each launch this
 script varies that one launch's shape, keeps the others at the modules' values, and times the
 kernel family's forward + backward at every stream width given (GLM-5.3's 4096 and glm5_3_proxy's
 2048 by default; ``--tokens`` tokens of 4 streams, bf16, 20 Sinkhorn iterations) with
@@ -12,8 +12,8 @@ first entry of each launch is the modules' current value, so ``speedup`` is curr
     python scripts/bench/mhc_tune.py --out runs/mhc_tune.json        # one GPU, a few minutes
 
 What the results are used for: the constants in the three modules. A shape changes the order of
-the norm projection's and the stream mixing's FP32 sums (within the tests' bounds), never the
-Sinkhorn kernels' results.
+the norm projection's, the stream mixing's and the gates' parameter-gradient FP32 sums (within the
+tests' bounds), never the gates' per-token results.
 """
 
 from __future__ import annotations
@@ -63,14 +63,16 @@ def _mix_steps(widths: list[int], tokens: int) -> list[Callable[[], None]]:
     return steps
 
 
-def _sinkhorn_steps(widths: list[int], tokens: int) -> list[Callable[[], None]]:
-    from kpool_layers.kernels import sinkhorn_triton as sk
+def _gates_steps(widths: list[int], tokens: int) -> list[Callable[[], None]]:
+    from kpool_layers.kernels import mhc_gates_triton as gates
 
-    logits = torch.randn(tokens, 4, 4, device="cuda").requires_grad_()
-    grad = torch.randn(tokens, 4, 4, device="cuda")
+    z = torch.randn(tokens, 24, device="cuda").requires_grad_()
+    base = torch.randn(24, device="cuda").bfloat16().requires_grad_()
+    scale = torch.ones(3, device="cuda").bfloat16().requires_grad_()
+    grads = [torch.randn(tokens, *dims, device="cuda") for dims in ((4,), (4,), (4, 4))]
 
     def step() -> None:
-        sk.mixing_matrix(logits, 20, 1e-6).backward(grad)
+        torch.autograd.backward(gates.gates(z, base, scale, 4, 20, 1e-6), grads)
     return [step]
 
 
@@ -89,7 +91,7 @@ def _launches() -> Iterator[tuple[str, Any, list[str], Iterator[dict[str, int]],
     """(launch, module, its constants or TILES key, candidate shapes, steps builder)."""
     from kpool_layers.kernels import mhc_mix_triton as mix
     from kpool_layers.kernels import mhc_pre_triton as pre
-    from kpool_layers.kernels import sinkhorn_triton as sk
+    from kpool_layers.kernels import mhc_gates_triton as gates
 
     for key in pre.TILES:
         yield key, pre, [key], _tiles_shapes(key), _pre_steps
@@ -99,11 +101,11 @@ def _launches() -> Iterator[tuple[str, Any, list[str], Iterator[dict[str, int]],
            (dict(zip(("BLOCK_T", "BLOCK_H", "WARPS"), c)) for c in mix_grid), _mix_steps)
     yield ("mix_backward", mix, ["BACKWARD_BLOCK_T", "BACKWARD_BLOCK_H", "BACKWARD_WARPS"],
            (dict(zip(("BACKWARD_BLOCK_T", "BACKWARD_BLOCK_H", "BACKWARD_WARPS"), c)) for c in mix_grid), _mix_steps)
-    sk_grid = list(itertools.product((16, 64, 128, 256, 512, 1024), (1, 2, 4)))
-    yield ("sinkhorn_forward", sk, ["BLOCK_ENTRIES", "WARPS"],
-           (dict(zip(("BLOCK_ENTRIES", "WARPS"), c)) for c in sk_grid), _sinkhorn_steps)
-    yield ("sinkhorn_backward", sk, ["BACKWARD_BLOCK_ENTRIES", "BACKWARD_WARPS"],
-           (dict(zip(("BACKWARD_BLOCK_ENTRIES", "BACKWARD_WARPS"), c)) for c in sk_grid), _sinkhorn_steps)
+    gates_grid = list(itertools.product((16, 64, 128, 256, 512, 1024), (1, 2, 4)))
+    yield ("gates_forward", gates, ["BLOCK_ENTRIES", "WARPS"],
+           (dict(zip(("BLOCK_ENTRIES", "WARPS"), c)) for c in gates_grid), _gates_steps)
+    yield ("gates_backward", gates, ["BACKWARD_BLOCK_ENTRIES", "BACKWARD_WARPS"],
+           (dict(zip(("BACKWARD_BLOCK_ENTRIES", "BACKWARD_WARPS"), c)) for c in gates_grid), _gates_steps)
 
 
 def _current(module: Any, keys: list[str]) -> dict[str, int]:
