@@ -48,7 +48,8 @@ def test_steps_a_replay_cannot_run_are_refused_naming_the_key(overrides: list[st
 
 def test_the_proxy_and_dense_models_pass() -> None:
     for overrides in (["experiment=glm5_proxy_h200"], ["model=glm5_tiny", "model.num_moe_experts=null"],
-                      ["experiment=glm5_proxy_h200", "precision=serving_match"]):
+                      ["experiment=glm5_proxy_h200", "precision=serving_match"],
+                      ["experiment=glm5_3_proxy_h200"], ["model=glm5_3_flash_tiny"]):
         assert all_problems(_compose(overrides + [GRAPHS, "train.dry_run=true"]), 1) == []
 
 

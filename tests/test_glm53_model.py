@@ -312,7 +312,6 @@ def test_config_rules_name_the_key() -> None:
         "model.mtp_num_layers": ["model.mtp_num_layers=1"],
         "model.linear_num_value_heads": ["model.linear_num_value_heads=2"],
         "model.dsa_indexer_topk_freq": ["model.dsa_indexer_topk_freq=2", "model.dsa_indexer_types=null"],
-        "train.cuda_graph_impl": ["train.cuda_graph_impl=full_iteration"],
         "parallelism.pipeline_model_parallel_size": [  # stage 2 would start on the shared layer 3
             "parallelism=pp2", "parallelism.num_layers_in_first_pipeline_stage=2",
             "parallelism.num_layers_in_last_pipeline_stage=3"],

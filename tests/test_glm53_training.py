@@ -1,7 +1,8 @@
 """``train.py model=glm5_3_flash_tiny`` (KDA + DSA layers, a shared indexer, dense + MoE, SwiGLU
 clamp, 4 mHC streams) end to end on CPU: top-k drift and the indexer KL loss on its DSA layers,
 resume, TP = 2 and PP = 2 (hybrid stages K D D | K D, the streams crossing the boundary) equal to
-one rank, every precision profile builds it."""
+one rank, every precision profile builds it; on a GPU, fla against the torch kernels and CUDA-graph
+replays against eager steps."""
 
 from __future__ import annotations
 
@@ -91,3 +92,22 @@ def test_gpu_bf16_fla_first_step_matches_torch_kernels(tmp_path: Path) -> None:
     fla, ref = _losses(tmp_path / "fla"), _losses(tmp_path / "torch")
     assert sorted(fla) == [1, 2, 3]
     assert abs(fla[1] - ref[1]) < 5 * 2**-8 * 5, (fla, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_training_equals_eager_bit_for_bit(tmp_path: Path) -> None:
+    """``train.cuda_graph_impl=full_iteration`` with KDA layers on fla's kernels, the mHC and DSA
+    Triton kernels and top-2 MoE: step 1 eager, step 2 captured then replayed, steps 3-5 replayed.
+    The losses and grad norms equal an eager run's bit for bit: none of these kernels reads a device
+    value on the host for unpacked rows, none adds with float atomics except megatron's unpermute,
+    whose two additions per token onto zeros commute (tests/test_cuda_graph.py), and the second run
+    reads fla's autotuned configurations from Triton's cache, so both run the same kernels."""
+    from tests.test_cuda_graph import GRAPHS, _losses as _run_losses
+
+    gpu = ["model=glm5_3_flash_tiny", "precision=bf16", "model.linear_attention_kernels=fla",
+           "model.dsa_kernels=triton", "data.seq_length=256", "train.steps=5", "train.micro_batch_size=1",
+           "train.global_batch_size=2", "train.save_final=false", "logging.mode=disabled",
+           "train.cuda_graph_warmup_steps=1", "precision.drift.interval=0"]
+    eager = _run_losses(tmp_path, "eager", gpu)
+    graphed = _run_losses(tmp_path, "graphed", gpu + [GRAPHS], captured_at=2)
+    assert len(eager[0]) == 5 and len(set(eager[0])) > 1 and graphed == eager

@@ -221,8 +221,6 @@ def _check_layer_pattern(m: DictConfig, p: DictConfig, t: DictConfig, d: DictCon
                  f"splits model.linear_num_key_heads={heads} over TP * CP")
     _require(not m.mtp_num_layers, "model.mtp_num_layers", m.mtp_num_layers,
              f"0 {with_kda} (transformers' glm5_next has no MTP layer)")
-    _require(t.cuda_graph_impl is CudaGraphImpl.none, "train.cuda_graph_impl", t.cuda_graph_impl.value,
-             f"none {with_kda} (the KDA delta rule kernels are not validated under graph capture)")
 
 
 def _check_rollout(m: DictConfig, d: DictConfig, t: DictConfig) -> None:
