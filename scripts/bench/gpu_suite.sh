@@ -15,7 +15,8 @@
 #   glm53 (on request) = the mHC kernels (mixing matrix, stream mixing, block) and the torch ops (mhc.py), the KDA
 #   delta rule and layer at 4K/16K/64K (kda.py; fla autotunes on first use), a glm5_3_proxy step
 #   (profiled by module and by operator input shape)
-#   glm53_graphs (on request) = the glm5_3_proxy step eager and with train.cuda_graph_impl=full_iteration
+#   glm53_graphs (on request) = the glm5_3_proxy step at global batch 2, eager and with
+#   train.cuda_graph_impl=full_iteration
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 # Autotuning: Triton keeps each autotuned kernel's timings in its cache (`*.autotune.json`; fla's KDA
 # kernels autotune on first use, minutes on a fresh machine). The suite copies those of an earlier
@@ -107,7 +108,7 @@ for part in $parts; do
            run glm53_proxy 420 "$py" scripts/bench/profile_step.py experiment=glm5_3_proxy_h200 --steps 3 --ops-by-module \
              --by-shape --out "$out/glm53_proxy.json" ;;
     glm53_graphs) for g in none full_iteration; do  # the glm5_3_proxy step eager, then replayed as one CUDA graph
-                    run "glm53_proxy_$g" 280 "$py" scripts/bench/profile_step.py experiment=glm5_3_proxy_h200 \
+                    run "glm53_proxy_$g" 280 "$py" scripts/bench/profile_step.py experiment=glm5_3_proxy_h200 train.global_batch_size=2 \
                       train.cuda_graph_impl=$g --steps 3 --out "$out/glm53_proxy_$g.json"
                   done ;;
     smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
