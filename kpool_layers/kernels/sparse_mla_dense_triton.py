@@ -73,6 +73,12 @@ QUERY_CHUNKS = 4
 """The forward and the backward split the queries into at least this many chunks (the keys a chunk
 sees end at its last query: fewer zero columns above the causal diagonal)."""
 
+CHUNK_ALIGN = 64
+"""Query chunks of at least this many tokens are a multiple of it long, so a chunk's key count
+(its last query + 1, the leading dimension of ``S``, ``P`` and ``dS``) is too unless it ends the
+sequence. cuBLAS runs its sm90 kernels only on 16-byte-aligned rows; with an odd key count it
+fell back to sm75 ones (about 150 TFLOP/s on an H100: docs/benchmarks.md, "Sparse MLA attention")."""
+
 
 def dense_pays(s_kv: int, width: int, heads: int) -> bool:
     """Whether the contiguous-block layout is the faster one for ``s_kv`` keys, ``width`` slots and
@@ -223,8 +229,11 @@ def _query_chunks(s: int, s_kv: int, query_pos: torch.Tensor | None, per_token: 
                   ) -> Iterator[tuple[int, int, int]]:
     """``(t0, t1, keys)`` of the query chunks ``[t0, t1)``: at least ``QUERY_CHUNKS`` of them, and
     at most ``budget`` bytes of buffers at ``per_token`` bytes per query; a chunk sees the keys
-    ``[0, keys)``: up to its last query (query ``i`` sees keys ``<= i``), all with ``query_pos``."""
+    ``[0, keys)``: up to its last query (query ``i`` sees keys ``<= i``), all with ``query_pos``.
+    Chunks of ``CHUNK_ALIGN`` tokens or more are rounded down to a multiple of it."""
     chunk = max(1, min(triton.cdiv(s, QUERY_CHUNKS), budget // per_token))
+    if chunk >= CHUNK_ALIGN:
+        chunk -= chunk % CHUNK_ALIGN
     for t0 in range(0, s, chunk):
         t1 = min(s, t0 + chunk)
         yield t0, t1, s_kv if query_pos is not None else t1
