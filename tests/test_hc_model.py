@@ -21,7 +21,7 @@ from recipes.hf.config import model_config_from_hf  # noqa: E402
 from scripts.convert_checkpoint import export_hf, import_hf  # noqa: E402
 from tests.test_config import _compose  # noqa: E402
 from tests.test_hf_interop import our_model, safetensors_of  # noqa: E402
-from tests.train_runner import metrics, run_train  # noqa: E402
+from tests.train_runner import ADAM_EPS, metrics, run_train  # noqa: E402
 
 SEQ, VOCAB, HIDDEN, LAYERS = 32, 320, 64, 3
 EPS32 = torch.finfo(torch.float32).eps
@@ -346,7 +346,8 @@ def test_pp2_and_tp2_sp_equal_pp1(tmp_path: Path) -> None:
 
 
 TRAIN = ["model=glm5_tiny", "model.hc_mult=4", "precision=fp32", "data.seq_length=32", "train.lr_warmup_steps=0",
-         "logging.mode=disabled", "train.micro_batch_size=1", "train.global_batch_size=2"]
+         "logging.mode=disabled", "train.micro_batch_size=1", "train.global_batch_size=2",
+         f"train.adam_eps={ADAM_EPS}"]
 
 
 @pytest.mark.dist
@@ -355,7 +356,8 @@ def test_resume_exact_and_cp2_equals_cp1(tmp_path: Path) -> None:
     uninterrupted run bit for bit (the mHC weights and their optimizer state round-trip). CP = 2
     (each rank's streams hold 2 of the row's 4 chunks; the mHC math is per token) trains the
     losses of CP = 1: the same fp32 terms summed in another order over the ranks' tokens, ~1e-7
-    relative per step on a loss of ~6 (tests/test_train_cp.py's bound, 1e-5 absolute)."""
+    relative per step on a loss of ~6 (tests/test_train_cp.py's bound, 1e-5 absolute, at its
+    ``ADAM_EPS``)."""
     run_train(tmp_path, "full", TRAIN + ["train.steps=3", "train.save_interval=2"])
     ckpt = tmp_path / "full" / "checkpoints" / "iter_0000002"
     out = run_train(tmp_path, "resumed", TRAIN + ["train.steps=3", f"train.resume={ckpt}"])
