@@ -338,26 +338,26 @@ class TestGPU:
         assert deterministic
 
 
-@pytest.mark.parametrize("s,per_token,budget", [
-    (4096, 64 * 4096 * 6, 1 << 29),   # GLM-5's 64 heads at 4K, forward: 341 tokens fit, 320 run
-    (4096, 64 * 4096 * 4, 1 << 29),   # its backward: 512 tokens
-    (8191, 16 * 8191 * 6, 1 << 29),   # an odd length: only the last chunk ends unaligned
-    (200, 4, 1 << 20),                # at least QUERY_CHUNKS chunks: 50 tokens each, below the alignment
-    (40, 5 * 40 * 4, 3 * 5 * 40 * 4), # a budget of 3 tokens per chunk
+@pytest.mark.parametrize("s,per_token,budget,size", [
+    (4096, 64 * 4096 * 6, 1 << 29, 320),      # GLM-5's 64 heads at 4K, forward: 341 tokens fit
+    (4096, 64 * 4096 * 4, 1 << 29, 512),      # its backward
+    (8191, 16 * 8191 * 6, 1 << 29, 640),      # an odd length (682 fit): the last chunk ends it
+    (200, 4, 1 << 20, 48),                    # at least QUERY_CHUNKS chunks: 50 tokens
+    (32768, 64 * 32768 * 6, 1 << 29, 40),     # 64 heads at 32K: 42 tokens fit, below CHUNK_ALIGN
+    (40, 5 * 40 * 4, 3 * 5 * 40 * 4, 3),      # 3 tokens fit, below ROW_ALIGN: unaligned
 ])
-def test_dense_query_chunks_cover_the_queries_aligned_within_budget(s: int, per_token: int, budget: int) -> None:
-    """The dense layout's query chunks tile ``[0, s)`` in order, at least ``QUERY_CHUNKS`` of them,
-    each within the buffer budget; a chunk of ``CHUNK_ALIGN`` tokens or more ends on a multiple of
-    it unless it ends the sequence (its key count is the GEMMs' leading dimension)."""
+def test_dense_query_chunks_are_aligned_within_budget(s: int, per_token: int, budget: int,
+                                                      size: int) -> None:
+    """The dense layout's query chunks tile ``[0, s)`` in order, each ``size`` tokens but the
+    last: the most the buffer budget and ``QUERY_CHUNKS`` allow, rounded down to a multiple of
+    ``CHUNK_ALIGN``, or of ``ROW_ALIGN`` below it (a chunk's key count is the GEMMs' leading
+    dimension)."""
     from kpool_layers.kernels import sparse_mla_dense_triton as dense
 
     chunks = list(dense._query_chunks(s, s, None, per_token, budget))
-    assert [c[0] for c in chunks] == [0] + [c[1] for c in chunks[:-1]] and chunks[-1][1] == s
-    assert len(chunks) >= min(s, dense.QUERY_CHUNKS)
-    for t0, t1, keys in chunks:
-        assert keys == t1 and (t1 - t0) * per_token <= max(budget, per_token)
-        if t1 - t0 >= dense.CHUNK_ALIGN and t1 != s:
-            assert t1 % dense.CHUNK_ALIGN == 0, (t0, t1)
+    assert [t0 for t0, _, _ in chunks] == list(range(0, s, size)) and chunks[-1][1] == s
+    assert all(t1 - t0 == size and keys == t1 for t0, t1, keys in chunks[:-1])
+    assert size * per_token <= budget and len(chunks) >= dense.QUERY_CHUNKS
 
 
 if __name__ == "__main__":  # CPU cases under the interpreter (see the module docstring)

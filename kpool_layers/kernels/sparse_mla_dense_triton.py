@@ -74,10 +74,16 @@ QUERY_CHUNKS = 4
 sees end at its last query: fewer zero columns above the causal diagonal)."""
 
 CHUNK_ALIGN = 64
-"""Query chunks of at least this many tokens are a multiple of it long, so a chunk's key count
-(its last query + 1, the leading dimension of ``S``, ``P`` and ``dS``) is too unless it ends the
-sequence. cuBLAS runs its sm90 kernels only on 16-byte-aligned rows; with an odd key count it
-fell back to sm75 ones (about 150 TFLOP/s on an H100: docs/benchmarks.md, "Sparse MLA attention")."""
+"""Query chunks of at least this many tokens are a multiple of it long, shorter ones of at least
+``ROW_ALIGN`` tokens a multiple of that, so a chunk's key count (its last query + 1, the leading
+dimension of ``S``, ``P`` and ``dS``) is too unless the chunk ends the sequence. cuBLAS runs its
+sm90 kernels only on 16-byte-aligned rows; with an odd key count it falls back to sm75 ones (GLM-5's
+forward at 4K on an H200: 100 TFLOP/s with 341-token chunks, 242 with 320-token ones;
+docs/benchmarks.md, "Sparse MLA attention")."""
+
+ROW_ALIGN = 8
+"""The fewest keys whose 16-bit row is 16 bytes: the alignment of chunks shorter than
+``CHUNK_ALIGN`` (64 heads from about 22K keys at ``S_BUFFER_BYTES``)."""
 
 
 def dense_pays(s_kv: int, width: int, heads: int) -> bool:
@@ -230,10 +236,11 @@ def _query_chunks(s: int, s_kv: int, query_pos: torch.Tensor | None, per_token: 
     """``(t0, t1, keys)`` of the query chunks ``[t0, t1)``: at least ``QUERY_CHUNKS`` of them, and
     at most ``budget`` bytes of buffers at ``per_token`` bytes per query; a chunk sees the keys
     ``[0, keys)``: up to its last query (query ``i`` sees keys ``<= i``), all with ``query_pos``.
-    Chunks of ``CHUNK_ALIGN`` tokens or more are rounded down to a multiple of it."""
+    Chunks are rounded down to a multiple of ``CHUNK_ALIGN``, or of ``ROW_ALIGN`` below it."""
     chunk = max(1, min(triton.cdiv(s, QUERY_CHUNKS), budget // per_token))
-    if chunk >= CHUNK_ALIGN:
-        chunk -= chunk % CHUNK_ALIGN
+    align = CHUNK_ALIGN if chunk >= CHUNK_ALIGN else ROW_ALIGN
+    if chunk >= align:
+        chunk -= chunk % align
     for t0 in range(0, s, chunk):
         t1 = min(s, t0 + chunk)
         yield t0, t1, s_kv if query_pos is not None else t1
