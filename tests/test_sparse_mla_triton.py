@@ -257,14 +257,14 @@ def test_rejects_bad_shapes() -> None:
 
 
 def test_layout_rule_and_bad_layout() -> None:
-    """``auto`` takes the contiguous-block kernels up to the measured crossover (16 heads: up to
-    32K dense, 64K gather; 64 heads: 8K dense, 16K gather) and an unknown layout names the allowed
+    """``auto`` takes the contiguous-block kernels up to the measured crossovers (16 heads: up to
+    32K dense, 64K gather; 64 heads: 16K dense, 32K gather) and an unknown layout names the allowed
     ones."""
     from kpool_layers.kernels.sparse_mla_dense_triton import dense_pays
     from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
     assert [dense_pays(s, 2048, 16) for s in (4096, 32768, 65536)] == [True, True, False]
-    assert [dense_pays(s, 2048, 64) for s in (8192, 16384)] == [True, False]
+    assert [dense_pays(s, 2048, 64) for s in (8192, 16384, 32768)] == [True, True, False]
     with pytest.raises(ValueError, match="layout must be one of .*'gather', 'dense'"):
         sparse_mla_triton(torch.zeros(4, 1, 2, 48), torch.zeros(4, 1, 1, 48),
                           torch.zeros(1, 4, 2, dtype=torch.int32), 1.0, v_channels=32,

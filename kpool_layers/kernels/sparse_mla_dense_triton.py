@@ -60,8 +60,11 @@ import triton.language as tl
 from kpool_layers.kernels.accumulate import accumulate_matmul
 from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots, visible_range
 
-DENSE_HEAD_KEYS_PER_SLOT = 256
-""":func:`dense_pays` while ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
+DENSE_HEAD_KEYS_PER_SLOT = 512
+""":func:`dense_pays` needs ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
+
+DENSE_KEYS_PER_SLOT = 16
+""":func:`dense_pays` needs ``s_kv <= DENSE_KEYS_PER_SLOT * W``."""
 
 S_BUFFER_BYTES = 1 << 29
 """Upper bound of the forward's fp32 ``S`` and ``P`` buffers of a query chunk together."""
@@ -89,10 +92,12 @@ ROW_ALIGN = 8
 def dense_pays(s_kv: int, width: int, heads: int) -> bool:
     """Whether the contiguous-block layout is the faster one for ``s_kv`` keys, ``width`` slots and
     ``heads`` query heads: its work grows with the causal prefix (``~s_kv / 2`` keys per query),
-    the gather kernels' with ``width`` but with a per-key cost that heads amortize. The bound
-    ``s_kv * heads <= 256 * W`` is the crossover measured on an H200 (docs/kernels.md and
-    docs/benchmarks.md, "Sparse MLA attention")."""
-    return s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * width
+    the gather kernels' with ``width`` but with a per-key cost that heads amortize, while the
+    dense chunks shrink with ``s_kv * heads`` (``S_BUFFER_BYTES``). The bounds ``s_kv <= 16 W``
+    and ``s_kv * heads <= 512 W`` are the crossovers measured on an H200 at 16 and 64 heads
+    (docs/kernels.md and docs/benchmarks.md, "Sparse MLA attention")."""
+    return (s_kv <= DENSE_KEYS_PER_SLOT * width
+            and s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * width)
 
 
 @triton.jit
