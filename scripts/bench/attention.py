@@ -27,6 +27,12 @@ A backend that cannot run here is reported with its reason. Shapes (``--shape``)
     python scripts/bench/attention.py --shape glm5_kpool --out runs/kpool.json
     python scripts/bench/attention.py --small --out /tmp/attention.json                   # CPU
 
+With ``--kernels N`` each backend's forward + backward also runs once under ``torch.profiler``, and
+its ``N`` ops with the most self time (device time on a GPU, host time on the CPU) land under
+``kernels`` (name, calls, ms), largest first: where a layout's time goes, kernel by kernel.
+
+    python scripts/bench/attention.py --seq 32768 --backends triton_gather --kernels 12 --out runs/k.json
+
 ``scripts/bench/record_result.py`` adds an ``--out`` file to ``docs/results/attention_h200.json``
 or ``kpool_h200.json``.
 """
@@ -148,8 +154,26 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
+def top_ops(step: Callable[[], Any], n: int, cuda: bool) -> list[dict[str, Any]]:
+    """The ``n`` ops with the most self time in one run of ``step`` under ``torch.profiler``
+    (device time with ``cuda``, else host time): ``[{"name", "calls", "ms"}]``, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted((e for e in prof.key_averages() if getattr(e, attr) > 0),
+                    key=lambda e: -getattr(e, attr))
+    return [{"name": e.key, "calls": e.count, "ms": getattr(e, attr) / 1e3} for e in events[:n]]
+
+
 def bench_length(shape: Shape, s: int, backends: list[str], repeats: int, device: torch.device,
-                 dtype: torch.dtype, peak_tflops: float) -> dict[str, Any]:
+                 dtype: torch.dtype, peak_tflops: float, kernels: int = 0) -> dict[str, Any]:
+    """One sequence length: per backend its stages' times, peaks, useful TFLOP/s and agreement with
+    the torch path, and with ``kernels`` its forward + backward's top ops (:func:`top_ops`)."""
     from kpool_layers.dsa.kpool import pool_layout
 
     cuda = device.type == "cuda"
@@ -205,14 +229,18 @@ def bench_length(shape: Shape, s: int, backends: list[str], repeats: int, device
             res["fwd_tflops"] = fwd_flops / res["fwd_ms"] / 1e9
         if res.get("fwdbwd_ms"):
             res["fwdbwd_tflops"] = 3 * fwd_flops / res["fwdbwd_ms"] / 1e9
+        if kernels and res.get("fwdbwd_ms"):
+            res["kernels"] = top_ops(fwdbwd, kernels, cuda)
         try:
             _compare(backend, sparse, topk, (query, kv, indices, scale, grad),
                      (iq, ik, iw, layout, n_sel), reference, res)
         except Exception as err:  # noqa: BLE001 - OOM and kernel errors are reported
             res["compare_error"] = f"{type(err).__name__}: {str(err)[:300]}"
         print(f"s={s} {backend}: " + " ".join(
-            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()),
-            flush=True)
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in res.items()
+            if k != "kernels"), flush=True)
+        for op in res.get("kernels", []):
+            print(f"    {op['ms']:10.3f} ms {op['calls']:6d} x  {op['name'][:110]}", flush=True)
         if cuda:
             torch.cuda.empty_cache()
     return row
@@ -275,7 +303,12 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=756.0)
+    parser.add_argument("--kernels", type=int, default=0, metavar="N",
+                        help="also profile one forward + backward per backend: its N ops with the "
+                             "most self time (default 0: off)")
     args = parser.parse_args()
+    if args.kernels < 0:
+        parser.error(f"--kernels must be >= 0, got {args.kernels}")
 
     _cpu.install()
     init_single_rank()
@@ -285,8 +318,8 @@ def main() -> None:
     shape = SMALL if args.small else SHAPES[args.shape]
     seqs = args.seq or ([64, 128] if args.small else [4096, 8192, 16384, 32768])
     backends = ["torch"] + [b for b in args.backends if b != "torch"]  # torch is the reference
-    rows = [bench_length(shape, s, backends, args.repeats, device, dtype, args.peak_tflops)
-            for s in seqs]
+    rows = [bench_length(shape, s, backends, args.repeats, device, dtype, args.peak_tflops,
+                         args.kernels) for s in seqs]
     print_table(rows, backends)
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype),
               "shape": "small" if args.small else args.shape, "shape_dims": asdict(shape),
