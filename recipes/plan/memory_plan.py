@@ -115,6 +115,11 @@ class RankSizes:
         return 12 / (self.edp if self.distributed_optimizer else 1)
 
 
+FP8_UNCOUNTED = ("FP8's quantized copies of weights and saved operands (measured at glm5_width, "
+                 "seq 4096: fp8 peaked 12.3 GiB above bf16's)")
+"""What the plan leaves out under ``precision.fp8``, printed with it: it counts a run's memory as
+bf16's (docs/benchmarks.md, "Long sequences and context parallelism")."""
+
 RECOMPUTE_WORKING_FACTOR = 2
 """A recompute unit's activations exist twice over while it runs its backward: rebuilt, and their
 gradients. Measured on glm5_proxy with full recompute (``scripts/bench/activation_memory.py
@@ -300,6 +305,8 @@ def report(cfg: Config, model: nn.Module) -> list[str]:
         if s.logits or s.recompute_working:
             lines.append(f"    of the activations: logits {s.logits:.1f} GiB{chunks} | "
                          f"recompute working set {s.recompute_working:.1f} GiB{recompute}")
+    if cfg.precision.fp8:
+        lines.append(f"  not counted: {FP8_UNCOUNTED}")
     worst = max(stages, key=lambda s: s.total)
     verdicts = [f"{name}: {'fits' if fits(worst.total, gb) else 'does not fit'}"
                 for name, gb in GPU_SIZES_GB.items()]
