@@ -17,6 +17,9 @@
 #   (profiled by module and by operator input shape)
 #   glm53_graphs (on request) = the glm5_3_proxy step at global batch 2, eager and with
 #   train.cuda_graph_impl=full_iteration
+#   long_attention (on request) = the sparse MLA at long context, both Triton layouts beside
+#   TileLang (GLM-5 16K/32K/64K, glm5_kpool 16K/32K, glm5_proxy 32K/64K), with each backend's top
+#   12 kernels of one profiled forward + backward (attention.py --kernels)
 # Each part has its own time limit and log under OUT_DIR; a failing part does not stop the others.
 # Autotuning: Triton keeps each autotuned kernel's timings in its cache (`*.autotune.json`; fla's KDA
 # kernels autotune on first use, minutes on a fresh machine). The suite copies those of an earlier
@@ -111,6 +114,12 @@ for part in $parts; do
                     run "glm53_proxy_$g" 280 "$py" scripts/bench/profile_step.py experiment=glm5_3_proxy_h200 train.global_batch_size=2 \
                       train.cuda_graph_impl=$g --steps 3 --out "$out/glm53_proxy_$g.json"
                   done ;;
+    long_attention) for sh in "glm5 16384 32768 65536" "glm5_kpool 16384 32768" "glm5_proxy 32768 65536"; do
+                      set -- $sh
+                      run "long_attention_$1" 540 "$py" scripts/bench/attention.py --shape "$1" \
+                        --seq "${@:2}" --backends tilelang triton_gather triton_dense --repeats 3 \
+                        --kernels 12 --out "$out/long_attention_$1.json"
+                    done ;;
     smla) run bench_sparse_mla 540 "$py" scripts/bench/sparse_mla_triton_check.py \
             --out "$out/sparse_mla_triton.json" ;;
     *) echo "unknown part $part" >&2 ;;
