@@ -93,9 +93,9 @@ def dense_pays(s_kv: int, width: int, heads: int) -> bool:
     """Whether the contiguous-block layout is the faster one for ``s_kv`` keys, ``width`` slots and
     ``heads`` query heads: its work grows with the causal prefix (``~s_kv / 2`` keys per query),
     the gather kernels' with ``width`` but with a per-key cost that heads amortize, while the
-    dense chunks shrink with ``s_kv * heads`` (``S_BUFFER_BYTES``). The bounds ``s_kv <= 16 W``
-    and ``s_kv * heads <= 512 W`` are the crossovers measured on an H200 at 16 and 64 heads
-    (docs/kernels.md and docs/benchmarks.md, "Sparse MLA attention")."""
+    dense chunks shrink with ``s_kv * heads`` (``S_BUFFER_BYTES``). The bounds
+    ``DENSE_KEYS_PER_SLOT`` and ``DENSE_HEAD_KEYS_PER_SLOT`` are the crossovers measured on an H200
+    at 16 and 64 heads (docs/kernels.md and docs/benchmarks.md, "Sparse MLA attention")."""
     return (s_kv <= DENSE_KEYS_PER_SLOT * width
             and s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * width)
 

@@ -28,7 +28,7 @@ A backend that cannot run here is reported with its reason. Shapes (``--shape``)
     python scripts/bench/attention.py --small --out /tmp/attention.json                   # CPU
 
 With ``--kernels N`` each backend's forward + backward also runs once under ``torch.profiler``, and
-its ``N`` ops with the most self time (device time on a GPU, host time on the CPU) land under
+its ``N`` ops with the most self time (GPU time on a GPU, host time on the CPU) land under
 ``kernels`` (name, calls, ms), largest first: where a layout's time goes, kernel by kernel.
 
     python scripts/bench/attention.py --seq 32768 --backends triton_gather --kernels 12 --out runs/k.json
@@ -156,7 +156,7 @@ def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 
 def top_ops(step: Callable[[], Any], n: int, cuda: bool) -> list[dict[str, Any]]:
     """The ``n`` ops with the most self time in one run of ``step`` under ``torch.profiler``
-    (device time with ``cuda``, else host time): ``[{"name", "calls", "ms"}]``, largest first."""
+    (GPU time with ``cuda``, else host time): ``[{"name", "calls", "ms"}]``, largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
