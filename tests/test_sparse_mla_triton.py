@@ -86,7 +86,8 @@ def run_case(s: int, b: int, n: int, d: int, v: int, width: int, dtype: str, *,
 
     try:
         if partial_rows:  # several query chunks in the key-gradient reduction
-            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
+            smla.PARTIAL_BUFFER_BYTES = partial_rows * smla.partial_bytes_per_token(
+                n, width, d, query.dtype)
         if chunk_tokens:  # chunks of chunk_tokens queries x n heads x s keys: fp32 S and P
             dense.S_BUFFER_BYTES = chunk_tokens * n * s * (4 + query.element_size())
             dense.DS_BUFFER_BYTES = chunk_tokens * n * s * 2 * query.element_size()  # P and dS
@@ -159,7 +160,8 @@ def run_cp_case(s: int, b: int, n: int, d: int, v: int, width: int, cp: int, par
             return [out, *torch.autograd.grad(out, (q, latent), grad_out[rows]), probs]
 
         try:  # several query chunks in the key-gradient reduction, some across batch rows
-            smla.PARTIAL_BUFFER_BYTES = partial_rows * width * d * query.element_size()
+            smla.PARTIAL_BUFFER_BYTES = partial_rows * smla.partial_bytes_per_token(
+                n, width, d, query.dtype)
             got, again = local("triton"), local("triton")
         finally:
             smla.PARTIAL_BUFFER_BYTES = budget

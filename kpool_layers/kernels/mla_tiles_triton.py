@@ -1,9 +1,11 @@
 """Tile helpers shared by the Triton sparse-MLA kernels (:mod:`.sparse_mla_triton`, gathered key
 rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): a query row's valid slots, row
-loads split into the value and tail (rope) channels, and the scores over both."""
+loads split into the value and tail (rope) channels, the scores over both, and the backward's
+``delta = rowsum(dO * O)``."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -67,6 +69,29 @@ def selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART: t
     lowest, highest = visible_range(KSTART, QPOS, i, HAS_KSTART, HAS_QPOS)
     valid = (keys >= lowest) & (keys <= highest) & (slots < W)
     return tl.where(valid, keys, 0), valid
+
+
+@triton.jit
+def _delta_kernel(DO, O, DELTA, ROWS, V, BR: tl.constexpr, BV: tl.constexpr):
+    """``DELTA[r] = sum_c DO[r, c] * O[r, c]`` in fp32 over rows ``r`` of contiguous ``[ROWS, V]``."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cv = tl.arange(0, BV)
+    mask = (rows < ROWS)[:, None] & (cv < V)[None, :]
+    offs = rows.to(tl.int64)[:, None] * V + cv[None, :]
+    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
+    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(DELTA + rows, tl.sum(do * o, 1), mask=rows < ROWS)
+
+
+def output_delta(grad_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """fp32 ``delta [s_q, b, n] = rowsum(dO * O)`` over the value channels of the contiguous
+    ``grad_out`` and ``out`` ``[s_q, b, n, v]`` (the softmax backward's correction term)."""
+    s, b, n, v = out.shape
+    rows = s * b * n
+    delta = torch.empty(s, b, n, dtype=torch.float32, device=out.device)
+    _delta_kernel[(triton.cdiv(rows, 16),)](grad_out, out, delta, rows, v, BR=16, BV=pow2(v),
+                                            num_warps=4)
+    return delta
 
 
 def pow2(x: int) -> int:

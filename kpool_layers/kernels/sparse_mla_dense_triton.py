@@ -27,11 +27,12 @@ Kernels and steps:
      (zeros where unselected); GEMM ``O = P V`` on the value channels, into the output. An empty
      row has ``P = 0``, so ``O = 0``;
   3. backward, per batch row and query chunk (at least ``QUERY_CHUNKS`` chunks; ``P`` and ``dS``
-     together at most ``DS_BUFFER_BYTES``): ``delta = rowsum(dO * O)`` (one kernel for all rows);
-     a tile kernel recomputes ``S = Q K^T`` and ``dP = dO V^T`` and writes the chunk's
-     ``P`` and ``dS = P (dP - delta) scale`` ``[tokens * n, keys]`` in the input dtype (zeros where
-     unselected); then GEMMs: ``dQ = dS K``, ``dKV += dS^T Q`` and, on the value channels,
-     ``dKV += P^T dO``, accumulated in fp32 over the chunks (cuBLAS with fp32 output on CUDA).
+     together at most ``DS_BUFFER_BYTES``): ``delta = rowsum(dO * O)`` (one kernel for all rows,
+     shared with the gather layout); a tile kernel recomputes ``S = Q K^T`` and ``dP = dO V^T``
+     and writes the chunk's ``P`` and ``dS = P (dP - delta) scale`` ``[tokens * n, keys]`` in the
+     input dtype (zeros where unselected); then GEMMs: ``dQ = dS K``, ``dKV += dS^T Q`` and, on
+     the value channels, ``dKV += P^T dO``, accumulated in fp32 over the chunks (cuBLAS with fp32
+     output on CUDA).
 The keys of a chunk end at its last query (the whole row with ``query_pos``). The forward launches
 3 kernels per chunk (2 GEMMs and the softmax kernel; a copy more for ``b > 1``). No float atomics:
 outputs and gradients are bit-identical from run to run (the cuBLAS GEMMs of fixed shapes
@@ -58,7 +59,8 @@ import triton
 import triton.language as tl
 
 from kpool_layers.kernels.accumulate import accumulate_matmul
-from kpool_layers.kernels.mla_tiles_triton import LOG2E, pow2, selected_slots, visible_range
+from kpool_layers.kernels.mla_tiles_triton import (
+    LOG2E, output_delta, pow2, selected_slots, visible_range)
 
 DENSE_HEAD_KEYS_PER_SLOT = 512
 """:func:`dense_pays` needs ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
@@ -158,18 +160,6 @@ def _softmax_kernel(SC, P, BITS, KSTART, QPOS, LSE, t0, bi, S, B, N, NW, L, scal
         p = tl.where(sel, tl.exp2(sc * scale_log2 - lse2[:, None]), 0.0)
         tl.store(P + rows[:, None] + keys[None, :], p.to(P.dtype.element_ty),
                  mask=hmask[:, None] & kmask[None, :])
-
-
-@triton.jit
-def _delta_kernel(DO, O, DELTA, ROWS, V, BR: tl.constexpr, BV: tl.constexpr):
-    """``DELTA[r] = sum_c DO[r, c] * O[r, c]`` in fp32 over rows ``r`` of contiguous ``[ROWS, V]``."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cv = tl.arange(0, BV)
-    mask = (rows < ROWS)[:, None] & (cv < V)[None, :]
-    offs = rows.to(tl.int64)[:, None] * V + cv[None, :]
-    do = tl.load(DO + offs, mask=mask, other=0.0).to(tl.float32)
-    o = tl.load(O + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.sum(do * o, 1), mask=rows < ROWS)
 
 
 @triton.jit
@@ -334,10 +324,7 @@ def dense_backward(query: torch.Tensor, latent_kv: torch.Tensor, bits: torch.Ten
     s, b, n, d = query.shape
     s_kv, v = latent_kv.size(0), v_channels
     do = grad_out.contiguous()
-    rows = s * b * n
-    delta = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
-    _delta_kernel[(triton.cdiv(rows, 16),)](do, out, delta, rows, v, BR=16, BV=pow2(v),
-                                            num_warps=4)
+    delta = output_delta(do, out)
     grad_query = torch.empty_like(query)
     grad_kv = torch.zeros(b, s_kv, d, dtype=torch.float32, device=query.device)
     cfg = dict(CONFIGS["ds"])

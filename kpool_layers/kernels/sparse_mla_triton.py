@@ -30,25 +30,32 @@ Gather kernels (one program per token ``t = batch * s_q + i``):
   1. forward, grid ``(b*s_q, head blocks)``: loop over slot blocks, gather the selected key rows,
      online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s_q, b, n]`` (log2
      units, ``+inf`` for an empty row so that recomputed probabilities are 0);
-  2. dQ, grid ``(b*s_q, head blocks)``: ``delta = rowsum(dO * O)`` (fp32, stored for step 3),
-     recompute ``P``, ``dS = P (dO V^T - delta) scale``, ``dQ = dS K``;
-  3. per query chunk, dKV partials, grid ``(chunk tokens, slot blocks)``: one program owns the rows
-     ``partial[t, slot, :] = sum_h dS[t,h,slot] Q[t,h,:] (+ P[t,h,slot] dO[t,h,:] on the value
-     channels)``, summing the heads in a fixed order;
-  4. deterministic segmented reduction: the chunk's flat key ids (``batch * s_kv + key``) are
+  2. ``delta = rowsum(dO * O)`` (fp32, one kernel for all rows:
+     :func:`~kpool_layers.kernels.mla_tiles_triton.output_delta`);
+  3. per query chunk, grid ``(chunk tokens, head blocks)``: loop over slot blocks, recompute
+     ``P`` and ``dS = P (dO V^T - delta) scale``, ``dQ += dS K``, and store ``dS`` and ``P``
+     (input dtype, as the products use them; zeros on skipped slot blocks) into the chunk's
+     ``[chunk, 2n, W]`` buffer (rows ``dS`` of each head, then ``P`` of each head);
+  4. the chunk's per-slot key-gradient rows as one batched GEMM over its tokens (cuBLAS on CUDA):
+     ``partial[t] [W, d_k] = [dS^T | P^T] [W, 2n] @ [Q; dO 0] [2n, d_k]``, i.e.
+     ``sum_h dS[t,h,slot] Q[t,h,:]`` plus, on the value channels, ``P[t,h,slot] dO[t,h,:]``,
+     fp32 accumulation, rounded once to the input dtype;
+  5. deterministic segmented reduction: the chunk's flat key ids (``batch * s_kv + key``) are
      stably sorted (invalid slots last), and one program per key adds its rows, in query order,
      into the fp32 ``dKV [b * s_kv, d_k]`` row it alone owns; chunks run in order. The programs
      span the keys the chunk can reach: up to its last token without ``query_pos``, else the
-     whole key range of the chunk's batch rows (bounds from shapes only, no host sync);
-  5. optionally (``return_slot_probs``), grid ``(b*s_q, slot blocks)``: the probabilities of each
+     whole key range of the chunk's batch rows (bounds from shapes only, no host sync). Rows of
+     invalid slots are never read;
+  6. optionally (``return_slot_probs``), grid ``(b*s_q, slot blocks)``: the probabilities of each
      slot from the final lse, summed over heads in a fixed order.
 Blocks of slots that are all invalid are skipped (early queries of a causal top-k; in the forward
-and dQ loops as ``CONFIGS`` says).
-No float atomics anywhere, so outputs and gradients are bit-identical from run to run. Memory is
-``O(s_q * n)`` saved state plus a ``[chunk, W, d_k]`` partial buffer of at most
-``PARTIAL_BUFFER_BYTES`` (never ``[s_q, s_kv]``). The partial rows are stored in the input dtype
-(like the reference's per-slot key gradients, which its bf16/fp16 matmuls return rounded), halving
-their memory traffic for bf16/fp16; the reduction adds them in fp32.
+and gradient loops as ``CONFIGS`` says).
+No float atomics anywhere, so outputs and gradients are bit-identical from run to run (the batched
+GEMM of fixed shapes included). Memory is ``O(s_q * n)`` saved state plus the chunk's buffers:
+``[chunk, W, d_k]`` partial rows, ``[chunk, 2n, W]`` dS and P, ``[chunk, 2n, d_k]`` stacked Q and
+dO, together at most ``PARTIAL_BUFFER_BYTES`` (never ``[s_q, s_kv]``). The partial rows are stored
+in the input dtype (like the reference's per-slot key gradients, which its bf16/fp16 matmuls return
+rounded), halving their memory traffic for bf16/fp16; the reduction adds them in fp32.
 
 Numerics: fp32 softmax, lse and accumulation; bf16/fp16 inputs take tensor-core dots on bf16/fp16
 operands (P and dS rounded to the input dtype before their products, as in the reference); fp32
@@ -68,14 +75,23 @@ import triton.language as tl
 
 from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
 from kpool_layers.kernels.mla_tiles_triton import (
-    LOG2E, load_rows, load_value_rows, pow2, scores, selected_slots)
+    LOG2E, load_rows, load_value_rows, output_delta, pow2, scores, selected_slots)
 from kpool_layers.dsa.sparse_attention import check_layouts
 
 Layout = Literal["auto", "gather", "dense"]
 """Which kernels :func:`sparse_mla_triton` runs (see its docstring)."""
 
 PARTIAL_BUFFER_BYTES = 1 << 30
-"""Upper bound of the dKV partial buffer ``[chunk, W, d_k]`` (at least one query per chunk)."""
+"""Upper bound of the backward's per-chunk buffers together (at least one query per chunk): see
+:func:`partial_bytes_per_token`."""
+
+
+def partial_bytes_per_token(heads: int, width: int, d_k: int, dtype: torch.dtype) -> int:
+    """Bytes of the gather backward's chunk buffers per query token, all in ``dtype``: ``W``
+    partial key-gradient rows of ``d_k`` channels, ``dS`` and ``P`` (``2 heads x W``) and the
+    stacked query and output-gradient rows (``2 heads x d_k``)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (width * d_k + 2 * heads * width + 2 * heads * d_k) * itemsize
 
 @triton.jit
 def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
@@ -135,19 +151,17 @@ def _probs(q, qt, k, kt, valid, lse2, scale_log2, T: tl.constexpr, PREC: tl.cons
 
 
 @triton.jit
-def _dscores(p, do, k, delta, scale, PREC: tl.constexpr):
-    """``dS = P (dO V^T - delta) scale``, fp32 ``[BH, BK]``."""
-    return p * (tl.dot(do, tl.trans(k), input_precision=PREC) - delta[:, None]) * scale
-
-
-@triton.jit
-def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale, scale_log2,
-             V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-             PREC: tl.constexpr):
-    """One slot block of ``dQ += dS K``: updated ``(dq, dqt)``."""
+def _grad_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, pds_rows, pmask,
+               scale, scale_log2, N, W, V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr,
+               BT: tl.constexpr, PREC: tl.constexpr):
+    """One slot block: recompute ``P`` and ``dS`` (stored at ``pds_rows`` for ``dS``, ``+ N * W``
+    for ``P``, where ``pmask``), ``dQ += dS K``; updated ``(dq, dqt)``."""
     k, kt = load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
     p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
-    ds = _dscores(p, do, k, delta, scale, PREC).to(k.dtype)
+    ds = (p * (tl.dot(do, tl.trans(k), input_precision=PREC) - delta[:, None]) * scale
+          ).to(k.dtype)
+    tl.store(pds_rows, ds, mask=pmask)
+    tl.store(pds_rows + N * W, p.to(k.dtype), mask=pmask)
     dq += tl.dot(ds, k, input_precision=PREC)
     if T > 0:
         dqt += tl.dot(ds, kt, input_precision=PREC)
@@ -155,12 +169,15 @@ def _dq_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, scale
 
 
 @triton.jit
-def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scale, scale_log2,
-               sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, so_s, so_b, so_h,
-               V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-               BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
-               HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
+def _grad_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, DQ, PDS, t0, S, B, N, W, scale,
+                 scale_log2, sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
+                 V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                 BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                 HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """Token ``t0 + row`` of a chunk, heads of one block: ``DQ`` and the chunk's ``PDS [chunk, 2N,
+    W]`` rows (``dS`` of each head, then ``P``); grid (chunk tokens, head blocks)."""
+    row = tl.program_id(0).to(tl.int64)
+    t = t0 + row
     bi = t // S
     i = t % S
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
@@ -168,22 +185,29 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scal
     q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
     do = load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
-    # delta = rowsum(dO * O), also kept for the dKV kernel
-    o = load_value_rows(O + i * so_s + bi * so_b, heads * so_h, hmask, V, BV)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    tl.store(DELTA + (i * B + bi) * N + heads, delta, mask=hmask)
+    delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
+    pds_base = PDS + (row * 2 * N + heads) * W
     dq = tl.zeros([BH, BV], tl.float32)
     dqt = tl.zeros([BH, BT], tl.float32)
     for k0 in range(0, W, BK):
-        keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
-                                      si_s, HAS_KSTART, HAS_QPOS)
+        slots = k0 + tl.arange(0, BK)
+        keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+                                      HAS_QPOS)
+        pds_rows = pds_base[:, None] + slots[None, :]
+        pmask = hmask[:, None] & (slots[None, :] < W)
         if SKIP_EMPTY:
             if tl.max(valid.to(tl.int32), 0) > 0:
-                dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
-                                   dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
+                dq, dqt = _grad_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
+                                     dq, dqt, pds_rows, pmask, scale, scale_log2, N, W, V, T, BV,
+                                     BT, PREC)
+            else:  # the batched GEMM reads every slot
+                zero = tl.zeros([BH, BK], PDS.dtype.element_ty)
+                tl.store(pds_rows, zero, mask=pmask)
+                tl.store(pds_rows + N * W, zero, mask=pmask)
         else:
-            dq, dqt = _dq_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
-                               dq, dqt, scale, scale_log2, V, T, BV, BT, PREC)
+            dq, dqt = _grad_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta, dq,
+                                 dqt, pds_rows, pmask, scale, scale_log2, N, W, V, T, BV, BT,
+                                 PREC)
     cv = tl.arange(0, BV)
     ct = tl.arange(0, BT)
     base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
@@ -191,48 +215,6 @@ def _dq_kernel(Q, KV, DO, O, IDX, KSTART, QPOS, LSE, DELTA, DQ, S, B, N, W, scal
              mask=hmask[:, None] & (cv[None, :] < V))
     tl.store(base + V + ct[None, :], dqt.to(DQ.dtype.element_ty),
              mask=hmask[:, None] & (ct[None, :] < T))
-
-
-@triton.jit
-def _dkv_partial_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PART, t0, S, B, N, W, scale,
-                        scale_log2, sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
-                        V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                        BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
-                        HAS_QPOS: tl.constexpr, PREC: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    t = t0 + row
-    bi = t // S
-    i = t % S
-    slots = tl.program_id(1) * BK + tl.arange(0, BK)
-    keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
-                                  HAS_QPOS)
-    if tl.max(valid.to(tl.int32), 0) > 0:  # rows of empty slots are never read
-        k, kt = load_rows(KV + bi * skv_b, keys * skv_s, valid, V, T, BV, BT)
-        dk = tl.zeros([BK, BV], tl.float32)
-        dkt = tl.zeros([BK, BT], tl.float32)
-        for h0 in range(0, N, BH):
-            heads = h0 + tl.arange(0, BH)
-            hmask = heads < N
-            q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-            do = load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
-            lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
-            delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
-            # transposed [BK, BH] scores, so that every product has the slots as rows
-            p_t = tl.exp2(scores(k, kt, q, qt, T, PREC) * scale_log2 - lse2[None, :])
-            p_t = tl.where(valid[:, None], p_t, 0.0)
-            dp_t = tl.dot(k, tl.trans(do), input_precision=PREC)
-            ds_t = (p_t * (dp_t - delta[None, :]) * scale).to(q.dtype)
-            dk += tl.dot(ds_t, q, input_precision=PREC)
-            dk += tl.dot(p_t.to(q.dtype), do, input_precision=PREC)
-            if T > 0:
-                dkt += tl.dot(ds_t, qt, input_precision=PREC)
-        cv = tl.arange(0, BV)
-        ct = tl.arange(0, BT)
-        base = PART + (row * W + slots[:, None]) * (V + T)
-        smask = slots[:, None] < W
-        tl.store(base + cv[None, :], dk.to(PART.dtype.element_ty), mask=smask & (cv[None, :] < V))
-        tl.store(base + V + ct[None, :], dkt.to(PART.dtype.element_ty),
-                 mask=smask & (ct[None, :] < T))
 
 
 @triton.jit
@@ -283,11 +265,11 @@ def _dkv_reduce_kernel(PART, ORDER, SEGMENT, DKV, key0, D, BR: tl.constexpr, BD:
 
 CONFIGS = {
     "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
-    "dq": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
-    "dkv": dict(BH=32, BK=32, num_warps=8, num_stages=1),
+    "grad": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
+    "probs": dict(BH=32, BK=32, num_warps=8, num_stages=1),
 }
-"""Head block (capped at the head count), slot block, warps and stages per kernel (``dkv`` also
-serves the slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot blocks in the
+"""Head block (capped at the head count), slot block, warps and stages per kernel (``probs``: the
+slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot blocks in the
 slot loops (saves their work; may keep the loop's loads from being software-pipelined). Chosen
 for d_k = 576 bf16 on Hopper from ptxas reports (compiled for sm_90: few register spills, shared
 memory under the 227 KiB per block at d_k 576 and 512); the bits of the results depend on BK and
@@ -334,7 +316,7 @@ class _SparseMLATriton(torch.autograd.Function):
         probs = None
         if slot_probs:
             probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
-            meta = _meta("dkv", n, v_channels, d - v_channels, query.dtype)
+            meta = _meta("probs", n, v_channels, d - v_channels, query.dtype)
             _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
                 query, latent_kv, topk_indices, start, qpos, lse2, probs, s, b, n, w,
                 softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
@@ -357,32 +339,35 @@ class _SparseMLATriton(torch.autograd.Function):
         s_kv = latent_kv.size(0)
         w = topk_indices.size(-1)
         do = grad_out.contiguous()
-        delta = torch.empty(s, b, n, dtype=torch.float32, device=query.device)  # by the dQ kernel
+        delta = output_delta(do, out)
         has_start, has_qpos = key_start is not None, query_pos is not None
         start = key_start if has_start else topk_indices
         qpos = query_pos if has_qpos else topk_indices
-        common = (s, b, n, w, scale, scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
-                  *topk_indices.stride()[:2], *do.stride()[:3])
+        strides = (*query.stride()[:3], *latent_kv.stride()[:2], *topk_indices.stride()[:2],
+                   *do.stride()[:3])
         grad_query = torch.empty_like(query)
-        meta = _meta("dq", n, v, d - v, query.dtype)
-        _dq_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
-            query, latent_kv, do, out, topk_indices, start, qpos, lse2, delta, grad_query, *common,
-            *out.stride()[:3], HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
-
         grad_kv = torch.zeros(b * s_kv, d, dtype=torch.float32, device=query.device)
-        chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES // (w * d * query.element_size())))
+        chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES
+                           // partial_bytes_per_token(n, w, d, query.dtype)))
         partial = torch.empty(chunk, w, d, dtype=query.dtype, device=query.device)
+        pds = torch.empty(chunk, 2 * n, w, dtype=query.dtype, device=query.device)
+        stacked = torch.zeros(chunk, 2 * n, d, dtype=query.dtype, device=query.device)
         flat = topk_indices.reshape(b * s, w)
-        meta = _meta("dkv", n, v, d - v, query.dtype)
+        meta = _meta("grad", n, v, d - v, query.dtype)
         for t0 in range(0, b * s, chunk):
             t1 = min(t0 + chunk, b * s)
-            _dkv_partial_kernel[(t1 - t0, triton.cdiv(w, meta["BK"]))](
-                query, latent_kv, do, topk_indices, start, qpos, lse2, delta, partial, t0, *common,
-                HAS_KSTART=has_start, HAS_QPOS=has_qpos, **meta)
+            rows = t1 - t0
+            _grad_kernel[(rows, triton.cdiv(n, meta["BH"]))](
+                query, latent_kv, do, topk_indices, start, qpos, lse2, delta, grad_query, pds, t0,
+                s, b, n, w, scale, scale * LOG2E, *strides, HAS_KSTART=has_start,
+                HAS_QPOS=has_qpos, **meta)
+            token = torch.arange(t0, t1, device=query.device)
+            stacked[:rows, :n] = query[token % s, token // s]
+            stacked[:rows, n:, :v] = do[token % s, token // s]  # tail channels stay 0
+            torch.bmm(pds[:rows].transpose(1, 2), stacked[:rows], out=partial[:rows])
             # flat key ids (batch * s_kv + key) of the chunk's valid slots, invalid -> b * s_kv
             # (last); they lie in [key0, key_end): from the first key of t0's batch row to t1
             # (key <= i) or, with query_pos, to the end of t1 - 1's batch row
-            token = torch.arange(t0, t1, device=query.device)
             lowest = key_start[token % s] if has_start else torch.zeros_like(token)
             highest = query_pos[token % s].to(torch.int64) if has_qpos else token % s
             keys = flat[t0:t1].to(torch.int64)

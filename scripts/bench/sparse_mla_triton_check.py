@@ -10,17 +10,22 @@
    (forward ``2*s*W*n*(d_k+v)``, backward twice that) and extra peak memory, and the Triton
    forward with the slot probabilities; plus a per-kernel CUDA time breakdown of one Triton
    forward+backward (torch profiler).
-4. With ``--sweep`` (about 13 more kernel compiles), at the first size: each kernel's
-   alternatives of ``SWEEP`` in turn (the others at their defaults), timing forward (``fwd``)
-   or forward+backward (``dq``, ``dkv``), with the relative difference of the results from the
-   default table's (a wrong variant shows there; bits differ anyway, as BK and BH fix the
-   summation order).
+4. With ``--sweep`` (about a dozen more kernel compiles; ``--sweep-only``: this alone), at the first
+   size: each kernel's alternatives of ``SWEEP`` in turn (the others at their defaults), timing
+   forward (``fwd``) or forward+backward (``grad``), with the relative difference of the
+   results from the default table's (a wrong variant shows there; bits differ anyway, as BK and
+   BH fix the summation order). It sweeps the kernels of the layout the runs use (``--layout``;
+   ``auto``: the one :func:`~kpool_layers.kernels.sparse_mla_dense_triton.dense_pays` picks at
+   that size): the gather kernels' ``SWEEP``, or the dense kernels' ``DENSE_SWEEP`` and their
+   query-chunk counts ``CHUNK_SWEEP``.
 
 Top-k indices: per query, W distinct random keys of its causal prefix (fewer early on, padded with
 -1), so the first W queries have empty slots, as from the indexer.
 
     python scripts/bench/sparse_mla_triton_check.py --out runs/sparse_mla_triton.json
     python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --no-torch --sweep --out x.json
+    python scripts/bench/sparse_mla_triton_check.py --sizes 8192 --layout gather --sweep-only --out x.json
+    python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --heads 16 --sweep-only --out x.json
 Works with torch >= 2.4 and triton >= 3.0 (uses only ``do_bench(..., return_mode="median")``).
 Each kernel compiles at first use (checked offline for sm_90 with ptxas: the default table fits
 Hopper's 227 KiB of shared memory at d_k 576 and 512, n = 16..128).
@@ -30,11 +35,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
+from typing import Callable, get_args
 
 import torch
 from triton.testing import do_bench
 
+from kpool_layers.kernels import sparse_mla_dense_triton as dense
 from kpool_layers.kernels import sparse_mla_triton as smla
 from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 from kpool_layers.dsa.sparse_attention import sparse_mla_attention
@@ -44,12 +50,23 @@ SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, 
          for kernel, variants in {
              "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 1),
                      (16, 32, 4, 2)],
-             "dq": [(64, 32, 8, 1), (64, 16, 8, 1), (32, 32, 8, 2), (32, 16, 4, 2)],
-             "dkv": [(16, 32, 4, 1), (32, 32, 4, 1), (32, 32, 8, 2), (64, 32, 8, 1)],
+             "grad": [(32, 32, 8, 2), (32, 16, 8, 1), (16, 32, 4, 1), (32, 64, 8, 1),
+                      (64, 32, 8, 1)],
          }.items()}
 SWEEP["fwd"].append(dict(SKIP_EMPTY=False, num_stages=2))
-SWEEP["dq"].append(dict(SKIP_EMPTY=False, num_stages=2))
-"""Alternatives to ``smla.CONFIGS`` tried by the sweep (each updates the kernel's default)."""
+SWEEP["grad"].append(dict(SKIP_EMPTY=False, num_stages=2))
+"""Alternatives to ``smla.CONFIGS`` tried by the gather layout's sweep (each updates the kernel's
+default)."""
+
+DENSE_SWEEP = {
+    "softmax": [dict(BN=128), dict(BN=512, num_warps=8), dict(num_warps=8)],
+    "ds": [dict(BM=64, num_warps=4), dict(BN=64, num_warps=4), dict(BC=32, num_stages=4),
+           dict(BM=64, BN=256), dict(num_stages=2)],
+}
+"""Alternatives to ``dense.CONFIGS`` tried by the dense layout's sweep."""
+
+CHUNK_SWEEP = [2, 8, 16]
+"""Alternatives to ``dense.QUERY_CHUNKS`` tried by the dense layout's sweep."""
 
 
 def causal_topk(s: int, width: int, key_start: torch.Tensor | None, seed: int) -> torch.Tensor:
@@ -87,10 +104,15 @@ def inputs(s: int, n: int, d: int, v: int, width: int, thd: bool, seed: int = 0)
         softmax_scale=d ** -0.5, v_channels=v)
 
 
+LAYOUT: list[smla.Layout] = ["auto"]
+"""The Triton layout every run here uses (``--layout``)."""
+
+
 def attention(path: str, x: dict, query: torch.Tensor, latent_kv: torch.Tensor) -> torch.Tensor:
     if path == "triton":
         return sparse_mla_triton(query, latent_kv, x["topk_indices"], x["softmax_scale"],
-                                 v_channels=x["v_channels"], key_start=x["key_start"])
+                                 v_channels=x["v_channels"], key_start=x["key_start"],
+                                 layout=LAYOUT[0])
     return sparse_mla_attention(query, latent_kv, x["topk_indices"], x["softmax_scale"],
                                 v_channels=x["v_channels"], chunk_size=TORCH_CHUNK,
                                 key_start=x["key_start"])
@@ -136,7 +158,7 @@ def bench(fn: Callable[[], object]) -> tuple[float, float]:
 def with_probs(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return sparse_mla_triton(x["query"], x["latent_kv"], x["topk_indices"], x["softmax_scale"],
                              v_channels=x["v_channels"], key_start=x["key_start"],
-                             return_slot_probs=True)
+                             return_slot_probs=True, layout=LAYOUT[0])
 
 
 def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list[dict]:
@@ -159,31 +181,42 @@ def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list
     return rows
 
 
-def sweep(s: int, n: int, d: int, v: int, width: int) -> list[dict]:
-    """Each alternative of ``SWEEP`` against the default table (see the module docstring)."""
+def sweep(s: int, n: int, d: int, v: int, width: int, dense_layout: bool) -> list[dict]:
+    """Each alternative of ``SWEEP`` (gather) or of ``DENSE_SWEEP`` and ``CHUNK_SWEEP`` (dense)
+    against the default table (see the module docstring)."""
     x = inputs(s, n, d, v, width, thd=False, seed=3)
-    default = dict(smla.CONFIGS)
+    table, variants = (dense.CONFIGS, DENSE_SWEEP) if dense_layout else (smla.CONFIGS, SWEEP)
+    default = {kernel: dict(cfg) for kernel, cfg in table.items()}
     ref = forward_backward("triton", x)
+
+    def measure(row: dict, timed_fwd: bool) -> dict:
+        try:
+            got = forward_backward("triton", x)
+            row["rel_diff"] = max(((g.float() - r.float()).norm() / r.float().norm()).item()
+                                  for g, r in zip(got, ref))
+            if timed_fwd:
+                row["ms_fwd"] = do_bench(
+                    lambda: attention("triton", x, x["query"], x["latent_kv"]), warmup=25,
+                    rep=100, return_mode="median")
+            row["ms_fwd_bwd"] = do_bench(lambda: forward_backward("triton", x), warmup=25,
+                                         rep=100, return_mode="median")
+        except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: report, go on
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        return row
+
     rows = []
-    for kernel, variants in SWEEP.items():
-        for variant in [{}, *variants]:
-            cfg = {**default[kernel], **variant}
-            smla.CONFIGS[kernel] = cfg
-            row = dict(kernel=kernel, **cfg)
-            try:
-                got = forward_backward("triton", x)
-                row["rel_diff"] = max(((g.float() - r.float()).norm() / r.float().norm()).item()
-                                      for g, r in zip(got, ref))
-                if kernel == "fwd":
-                    row["ms_fwd"] = do_bench(
-                        lambda: attention("triton", x, x["query"], x["latent_kv"]), warmup=25,
-                        rep=100, return_mode="median")
-                row["ms_fwd_bwd"] = do_bench(lambda: forward_backward("triton", x), warmup=25,
-                                             rep=100, return_mode="median")
-            except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: report, go on
-                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
-            rows.append(row)
-        smla.CONFIGS[kernel] = default[kernel]
+    for kernel, alternatives in variants.items():
+        for variant in [{}, *alternatives]:
+            table[kernel] = {**default[kernel], **variant}
+            rows.append(measure(dict(kernel=kernel, **table[kernel]),
+                                kernel in ("fwd", "softmax")))
+        table[kernel] = default[kernel]
+    if dense_layout:
+        chunks = dense.QUERY_CHUNKS
+        for count in [chunks, *CHUNK_SWEEP]:
+            dense.QUERY_CHUNKS = count
+            rows.append(measure(dict(kernel="chunks", QUERY_CHUNKS=count), True))
+        dense.QUERY_CHUNKS = chunks
     return rows
 
 
@@ -211,34 +244,45 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=64)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--no-torch", action="store_true", help="time only the Triton path")
+    parser.add_argument("--layout", choices=get_args(smla.Layout), default="auto",
+                        help="the Triton kernels every run uses (default auto: by shape)")
     parser.add_argument("--sweep", action="store_true", help="also sweep block sizes")
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the sweep (no checks, timing or kernel breakdown)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
+    LAYOUT[0] = args.layout
     report = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__)
-    report["checks"] = [check("glm5", 2048, 64, 576, 512, 2048, False),
-                        check("glm5_thd", 2048, 64, 576, 512, 2048, True),
-                        check("nope", 2048, 64, 512, 512, 2048, False)]
-    for row in report["checks"]:
-        print(row)
-    paths = ["triton"] if args.no_torch else ["triton", "torch"]
-    report["timing"] = [row for s in args.sizes
-                        for row in timing(s, args.heads, 576, 512, args.width, paths)]
-    report["kernels_ms"] = kernel_breakdown(args.sizes[0], args.heads, 576, 512, args.width)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    if args.sweep:
-        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width)
+                  triton=__import__("triton").__version__, layout=args.layout,
+                  checks=[], timing=[], kernels_ms={})
+    if not args.sweep_only:
+        report["checks"] = [check("glm5", 2048, 64, 576, 512, 2048, False),
+                            check("glm5_thd", 2048, 64, 576, 512, 2048, True),
+                            check("nope", 2048, 64, 512, 512, 2048, False)]
+        for row in report["checks"]:
+            print(row)
+        paths = ["triton"] if args.no_torch else ["triton", "torch"]
+        report["timing"] = [row for s in args.sizes
+                            for row in timing(s, args.heads, 576, 512, args.width, paths)]
+        report["kernels_ms"] = kernel_breakdown(args.sizes[0], args.heads, 576, 512, args.width)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-        print(f"\nsweep (s={args.sizes[0]}; first row per kernel = default)")
+    if args.sweep or args.sweep_only:
+        dense_layout = args.layout == "dense" or (args.layout == "auto" and dense.dense_pays(
+            args.sizes[0], args.width, args.heads))
+        report["sweep_layout"] = "dense" if dense_layout else "gather"
+        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width, dense_layout)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"\nsweep of the {report['sweep_layout']} kernels (s={args.sizes[0]}; first row per "
+              "kernel = default)")
         for r in report["sweep"]:
-            cfg = (f"{r['kernel']:<4} BH={r['BH']:<3} BK={r['BK']:<3} w={r['num_warps']} "
-                   f"st={r['num_stages']} skip={r.get('SKIP_EMPTY', '-')!s:<5}")
+            cfg = " ".join(f"{k}={val}" for k, val in r.items()
+                           if k not in ("rel_diff", "ms_fwd", "ms_fwd_bwd", "error"))
             if "error" in r:
-                print(f"{cfg}  {r['error'][:80]}")
+                print(f"{cfg:<60}  {r['error'][:80]}")
             else:
-                print(f"{cfg}  fwd {r.get('ms_fwd', float('nan')):7.2f} ms  fwd+bwd "
+                print(f"{cfg:<60}  fwd {r.get('ms_fwd', float('nan')):7.2f} ms  fwd+bwd "
                       f"{r['ms_fwd_bwd']:7.2f} ms  rel diff {r['rel_diff']:.1e}")
     print(f"\nkernels (s={args.sizes[0]}, ms): {report['kernels_ms']}")
     print("\ncheck       ok    det   err out / dq / dkv (torch bf16 path)")
