@@ -193,6 +193,9 @@ CASES = {
                              {"partial_rows": 16, "empty_rows": (0, 9)}),
     "fp32_three_slots": (16, 1, 4, 48, 32, 3, "float32", {"thd": True}),
     "fp32_many_head_blocks": (8, 1, 65, 32, 32, 5, "float32", {}),  # 5 blocks of 16 in fp32
+    # fp16 channel blocks of 64: two in the gradient kernel's value loop (96 = 64 + masked 32), a
+    # 48-wide tail, three in the dQ kernel (144 = 2 x 64 + masked 16)
+    "fp16_wide_channels": (12, 1, 3, 144, 96, 7, "float16", {}),
     "fp16_dense_query_chunks_of_3": (40, 2, 5, 48, 32, 30, "float16",
                                      {"chunk_tokens": 3, "thd": True, "empty_rows": (3, 22)}),
 }
@@ -260,13 +263,13 @@ def test_rejects_bad_shapes() -> None:
 
 def test_layout_rule_and_bad_layout() -> None:
     """``auto`` takes the contiguous-block kernels up to the measured crossovers (16 heads: up to
-    32K dense, 64K gather; 64 heads: 16K dense, 32K gather) and an unknown layout names the allowed
+    32K dense, 64K gather; 64 heads: 8K dense, 16K gather) and an unknown layout names the allowed
     ones."""
     from kpool_layers.kernels.sparse_mla_dense_triton import dense_pays
     from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 
     assert [dense_pays(s, 2048, 16) for s in (4096, 32768, 65536)] == [True, True, False]
-    assert [dense_pays(s, 2048, 64) for s in (8192, 16384, 32768)] == [True, True, False]
+    assert [dense_pays(s, 2048, 64) for s in (8192, 16384, 32768)] == [True, False, False]
     with pytest.raises(ValueError, match="layout must be one of .*'gather', 'dense'"):
         sparse_mla_triton(torch.zeros(4, 1, 2, 48), torch.zeros(4, 1, 1, 48),
                           torch.zeros(1, 4, 2, dtype=torch.int32), 1.0, v_channels=32,

@@ -62,7 +62,7 @@ from kpool_layers.kernels.accumulate import accumulate_matmul
 from kpool_layers.kernels.mla_tiles_triton import (
     LOG2E, output_delta, pow2, selected_slots, visible_range)
 
-DENSE_HEAD_KEYS_PER_SLOT = 512
+DENSE_HEAD_KEYS_PER_SLOT = 256
 """:func:`dense_pays` needs ``s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * W``."""
 
 DENSE_KEYS_PER_SLOT = 16
@@ -96,8 +96,9 @@ def dense_pays(s_kv: int, width: int, heads: int) -> bool:
     ``heads`` query heads: its work grows with the causal prefix (``~s_kv / 2`` keys per query),
     the gather kernels' with ``width`` but with a per-key cost that heads amortize, while the
     dense chunks shrink with ``s_kv * heads`` (``S_BUFFER_BYTES``). The bounds
-    ``DENSE_KEYS_PER_SLOT`` and ``DENSE_HEAD_KEYS_PER_SLOT`` are the crossovers measured on an H200
-    at 16 and 64 heads (docs/kernels.md and docs/benchmarks.md, "Sparse MLA attention")."""
+    ``DENSE_KEYS_PER_SLOT`` and ``DENSE_HEAD_KEYS_PER_SLOT`` are the crossovers measured at 16
+    heads (H200) and 64 heads (H100): docs/kernels.md and docs/benchmarks.md, "Sparse MLA
+    attention"."""
     return (s_kv <= DENSE_KEYS_PER_SLOT * width
             and s_kv * heads <= DENSE_HEAD_KEYS_PER_SLOT * width)
 

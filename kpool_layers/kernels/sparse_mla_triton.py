@@ -27,32 +27,37 @@ of the row, few heads) the contiguous-key-block kernels of
 :mod:`kpool_layers.kernels.sparse_mla_dense_triton`; ``auto`` picks by shape (``dense_pays``).
 
 Gather kernels (one program per token ``t = batch * s_q + i``):
-  1. forward, grid ``(b*s_q, head blocks)``: loop over slot blocks, gather the selected key rows,
-     online softmax in fp32 (base 2), ``O += P V``; writes ``O`` and ``lse2 [s_q, b, n]`` (log2
-     units, ``+inf`` for an empty row so that recomputed probabilities are 0);
+  1. forward, grid ``(b*s_q, head blocks)``: loop over slot blocks, scores of the gathered key
+     rows accumulated over channel blocks, online softmax in fp32 (base 2), ``O += P V``; writes
+     ``O`` and ``lse2 [s_q, b, n]`` (log2 units, ``+inf`` for an empty row so that recomputed
+     probabilities are 0);
   2. ``delta = rowsum(dO * O)`` (fp32, one kernel for all rows:
      :func:`~kpool_layers.kernels.mla_tiles_triton.output_delta`);
   3. per query chunk, grid ``(chunk tokens, head blocks)``: loop over slot blocks, recompute
-     ``P`` and ``dS = P (dO V^T - delta) scale``, ``dQ += dS K``, and store ``dS`` and ``P``
-     (input dtype, as the products use them; zeros on skipped slot blocks) into the chunk's
-     ``[chunk, 2n, W]`` buffer (rows ``dS`` of each head, then ``P`` of each head);
-  4. the chunk's per-slot key-gradient rows as one batched GEMM over its tokens (cuBLAS on CUDA):
-     ``partial[t] [W, d_k] = [dS^T | P^T] [W, 2n] @ [Q; dO 0] [2n, d_k]``, i.e.
+     ``P`` and ``dS = P (dO V^T - delta) scale`` as slot-major ``[slots, heads]`` tiles (``K Q^T``
+     and ``V dO^T`` accumulated over channel blocks, so that no whole row lives in registers) and
+     store them (input dtype, as the products use them; zeros on skipped slot blocks) into the
+     chunk's ``[chunk, W, 2n]`` buffer (per slot: ``dS`` of each head, then ``P`` of each head);
+  4. per query chunk, grid ``(chunk tokens x channel blocks, head blocks)``: ``dQ = dS K`` over the
+     gathered key rows of one channel block, and the token's rows of ``Q`` and ``dO`` copied into
+     the chunk's stacked ``[chunk, 2n, d_k]`` operand;
+  5. the chunk's per-slot key-gradient rows as one batched GEMM over its tokens (cuBLAS on CUDA):
+     ``partial[t] [W, d_k] = [dS | P] [W, 2n] @ [Q; dO 0] [2n, d_k]``, i.e.
      ``sum_h dS[t,h,slot] Q[t,h,:]`` plus, on the value channels, ``P[t,h,slot] dO[t,h,:]``,
      fp32 accumulation, rounded once to the input dtype;
-  5. deterministic segmented reduction: the chunk's flat key ids (``batch * s_kv + key``) are
+  6. deterministic segmented reduction: the chunk's flat key ids (``batch * s_kv + key``) are
      stably sorted (invalid slots last), and one program per key adds its rows, in query order,
      into the fp32 ``dKV [b * s_kv, d_k]`` row it alone owns; chunks run in order. The programs
      span the keys the chunk can reach: up to its last token without ``query_pos``, else the
      whole key range of the chunk's batch rows (bounds from shapes only, no host sync). Rows of
      invalid slots are never read;
-  6. optionally (``return_slot_probs``), grid ``(b*s_q, slot blocks)``: the probabilities of each
+  7. optionally (``return_slot_probs``), grid ``(b*s_q, slot blocks)``: the probabilities of each
      slot from the final lse, summed over heads in a fixed order.
 Blocks of slots that are all invalid are skipped (early queries of a causal top-k; in the forward
 and gradient loops as ``CONFIGS`` says).
 No float atomics anywhere, so outputs and gradients are bit-identical from run to run (the batched
 GEMM of fixed shapes included). Memory is ``O(s_q * n)`` saved state plus the chunk's buffers:
-``[chunk, W, d_k]`` partial rows, ``[chunk, 2n, W]`` dS and P, ``[chunk, 2n, d_k]`` stacked Q and
+``[chunk, W, d_k]`` partial rows, ``[chunk, W, 2n]`` dS and P, ``[chunk, 2n, d_k]`` stacked Q and
 dO, together at most ``PARTIAL_BUFFER_BYTES`` (never ``[s_q, s_kv]``). The partial rows are stored
 in the input dtype (like the reference's per-slot key gradients, which its bf16/fp16 matmuls return
 rounded), halving their memory traffic for bf16/fp16; the reduction adds them in fp32.
@@ -75,13 +80,13 @@ import triton.language as tl
 
 from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
 from kpool_layers.kernels.mla_tiles_triton import (
-    LOG2E, load_rows, load_value_rows, output_delta, pow2, scores, selected_slots)
+    LOG2E, load_rows, output_delta, pow2, scores, selected_slots)
 from kpool_layers.dsa.sparse_attention import check_layouts
 
 Layout = Literal["auto", "gather", "dense"]
 """Which kernels :func:`sparse_mla_triton` runs (see its docstring)."""
 
-PARTIAL_BUFFER_BYTES = 1 << 30
+PARTIAL_BUFFER_BYTES = 2 << 30
 """Upper bound of the backward's per-chunk buffers together (at least one query per chunk): see
 :func:`partial_bytes_per_token`."""
 
@@ -94,49 +99,58 @@ def partial_bytes_per_token(heads: int, width: int, d_k: int, dtype: torch.dtype
     return (width * d_k + 2 * heads * width + 2 * heads * d_k) * itemsize
 
 @triton.jit
-def _fwd_step(q, qt, kv_base, rows_offset, valid, m, l, acc, scale_log2, V: tl.constexpr,
-              T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """One slot block of the online softmax: updated ``(m, l, acc)`` (base-2 running max)."""
-    k, kt = load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
-    sc = scores(q, qt, k, kt, T, PREC) * scale_log2
-    sc = tl.where(valid[None, :], sc, float("-inf"))
-    m_new = tl.maximum(m, tl.max(sc, 1))
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all-empty so far: p = alpha = 0
-    p = tl.exp2(sc - m_ref[:, None])
-    alpha = tl.exp2(m - m_ref)
-    l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=PREC)
-    return m_new, l, acc
-
-
-@triton.jit
 def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
                 sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, so_s, so_b, so_h,
                 V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-                BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
+                BC: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
                 HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
+    """Token ``t``, heads of one block: ``O [BH, V]`` and ``lse2``; grid (tokens, head blocks).
+
+    Per slot block, the scores ``Q K^T [BH, BK]`` accumulate over channel blocks of ``BC`` (then
+    the tail), so the queries and gathered keys stream through shared memory in ``[BH | BK, BC]``
+    tiles; then one online-softmax step and ``O += P V`` on the whole value rows."""
     t = tl.program_id(0).to(tl.int64)
     bi = t // S
     i = t % S
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
-    q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
+    q_rows = Q + i * sq_s + bi * sq_b + heads * sq_h
     m = tl.full([BH], float("-inf"), tl.float32)
     l = tl.zeros([BH], tl.float32)
     acc = tl.zeros([BH, BV], tl.float32)
+    cv = tl.arange(0, BV)
     for k0 in range(0, W, BK):
         keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, k0 + tl.arange(0, BK), W, si_b,
                                       si_s, HAS_KSTART, HAS_QPOS)
-        if SKIP_EMPTY:
-            if tl.max(valid.to(tl.int32), 0) > 0:
-                m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
-                                      scale_log2, V, T, BV, BT, PREC)
-        else:
-            m, l, acc = _fwd_step(q, qt, KV + bi * skv_b, keys * skv_s, valid, m, l, acc,
-                                  scale_log2, V, T, BV, BT, PREC)
+        if not SKIP_EMPTY or tl.max(valid.to(tl.int32), 0) > 0:
+            k_rows = KV + bi * skv_b + keys * skv_s
+            sc = tl.zeros([BH, BK], tl.float32)
+            for c0 in range(0, V, BC):
+                c = c0 + tl.arange(0, BC)
+                qc = tl.load(q_rows[:, None] + c[None, :],
+                             mask=hmask[:, None] & (c[None, :] < V), other=0.0)
+                kc = tl.load(k_rows[None, :] + c[:, None],
+                             mask=valid[None, :] & (c[:, None] < V), other=0.0)
+                sc += tl.dot(qc, kc, input_precision=PREC)
+            if T > 0:
+                ct = tl.arange(0, BT)
+                qt = tl.load(q_rows[:, None] + V + ct[None, :],
+                             mask=hmask[:, None] & (ct[None, :] < T), other=0.0)
+                kt = tl.load(k_rows[None, :] + V + ct[:, None],
+                             mask=valid[None, :] & (ct[:, None] < T), other=0.0)
+                sc += tl.dot(qt, kt, input_precision=PREC)
+            sc = tl.where(valid[None, :], sc * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: p = alpha = 0
+            p = tl.exp2(sc - m_ref[:, None])
+            alpha = tl.exp2(m - m_ref)
+            l = l * alpha + tl.sum(p, 1)
+            value = tl.load(k_rows[:, None] + cv[None, :],
+                            mask=valid[:, None] & (cv[None, :] < V), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision=PREC)
+            m = m_new
     nonempty = l > 0.0
     out = acc / tl.where(nonempty, l, 1.0)[:, None]
-    cv = tl.arange(0, BV)
     tl.store(O + i * so_s + bi * so_b + heads[:, None] * so_h + cv[None, :],
              out.to(O.dtype.element_ty), mask=hmask[:, None] & (cv[None, :] < V))
     lse2 = tl.where(nonempty, m + tl.log2(tl.where(nonempty, l, 1.0)), float("inf"))
@@ -144,77 +158,105 @@ def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
 
 
 @triton.jit
-def _probs(q, qt, k, kt, valid, lse2, scale_log2, T: tl.constexpr, PREC: tl.constexpr):
-    """Recomputed probabilities ``P``, fp32 ``[BH, BK]`` (0 on invalid slots and empty rows)."""
-    p = tl.exp2(scores(q, qt, k, kt, T, PREC) * scale_log2 - lse2[:, None])
-    return tl.where(valid[None, :], p, 0.0)
-
-
-@triton.jit
-def _grad_step(q, qt, do, kv_base, rows_offset, valid, lse2, delta, dq, dqt, pds_rows, pmask,
-               scale, scale_log2, N, W, V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr,
-               BT: tl.constexpr, PREC: tl.constexpr):
-    """One slot block: recompute ``P`` and ``dS`` (stored at ``pds_rows`` for ``dS``, ``+ N * W``
-    for ``P``, where ``pmask``), ``dQ += dS K``; updated ``(dq, dqt)``."""
-    k, kt = load_rows(kv_base, rows_offset, valid, V, T, BV, BT)
-    p = _probs(q, qt, k, kt, valid, lse2, scale_log2, T, PREC)
-    ds = (p * (tl.dot(do, tl.trans(k), input_precision=PREC) - delta[:, None]) * scale
-          ).to(k.dtype)
-    tl.store(pds_rows, ds, mask=pmask)
-    tl.store(pds_rows + N * W, p.to(k.dtype), mask=pmask)
-    dq += tl.dot(ds, k, input_precision=PREC)
-    if T > 0:
-        dqt += tl.dot(ds, kt, input_precision=PREC)
-    return dq, dqt
-
-
-@triton.jit
-def _grad_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, DQ, PDS, t0, S, B, N, W, scale,
+def _grad_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PDS, t0, S, B, N, W, scale,
                  scale_log2, sq_s, sq_b, sq_h, skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h,
-                 V: tl.constexpr, T: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                 V: tl.constexpr, T: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
                  BH: tl.constexpr, BK: tl.constexpr, HAS_KSTART: tl.constexpr,
                  HAS_QPOS: tl.constexpr, PREC: tl.constexpr, SKIP_EMPTY: tl.constexpr):
-    """Token ``t0 + row`` of a chunk, heads of one block: ``DQ`` and the chunk's ``PDS [chunk, 2N,
-    W]`` rows (``dS`` of each head, then ``P``); grid (chunk tokens, head blocks)."""
+    """Token ``t0 + row`` of a chunk, heads of one block: the chunk's ``PDS [chunk, W, 2N]`` rows
+    (per slot, ``dS`` of each head, then ``P``); grid (chunk tokens, head blocks).
+
+    Slot-major tiles ``[BK, BH]``: ``S^T = K Q^T`` and ``dP^T = V dO^T`` accumulate over channel
+    blocks of ``BC`` (then the tail), so the gathered key rows, the queries and the output gradients
+    stream through shared memory in ``[BK | BH, BC]`` tiles instead of living in registers."""
     row = tl.program_id(0).to(tl.int64)
     t = t0 + row
     bi = t // S
     i = t % S
     heads = tl.program_id(1) * BH + tl.arange(0, BH)
     hmask = heads < N
-    q, qt = load_rows(Q + i * sq_s + bi * sq_b, heads * sq_h, hmask, V, T, BV, BT)
-    do = load_value_rows(DO + i * sdo_s + bi * sdo_b, heads * sdo_h, hmask, V, BV)
     lse2 = tl.load(LSE + (i * B + bi) * N + heads, mask=hmask, other=float("inf"))
     delta = tl.load(DELTA + (i * B + bi) * N + heads, mask=hmask, other=0.0)
-    pds_base = PDS + (row * 2 * N + heads) * W
-    dq = tl.zeros([BH, BV], tl.float32)
-    dqt = tl.zeros([BH, BT], tl.float32)
+    q_rows = Q + i * sq_s + bi * sq_b + heads * sq_h
+    do_rows = DO + i * sdo_s + bi * sdo_b + heads * sdo_h
+    pds_base = PDS + row * W * 2 * N + heads
     for k0 in range(0, W, BK):
         slots = k0 + tl.arange(0, BK)
         keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
                                       HAS_QPOS)
-        pds_rows = pds_base[:, None] + slots[None, :]
-        pmask = hmask[:, None] & (slots[None, :] < W)
-        if SKIP_EMPTY:
-            if tl.max(valid.to(tl.int32), 0) > 0:
-                dq, dqt = _grad_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta,
-                                     dq, dqt, pds_rows, pmask, scale, scale_log2, N, W, V, T, BV,
-                                     BT, PREC)
-            else:  # the batched GEMM reads every slot
-                zero = tl.zeros([BH, BK], PDS.dtype.element_ty)
-                tl.store(pds_rows, zero, mask=pmask)
-                tl.store(pds_rows + N * W, zero, mask=pmask)
-        else:
-            dq, dqt = _grad_step(q, qt, do, KV + bi * skv_b, keys * skv_s, valid, lse2, delta, dq,
-                                 dqt, pds_rows, pmask, scale, scale_log2, N, W, V, T, BV, BT,
-                                 PREC)
-    cv = tl.arange(0, BV)
-    ct = tl.arange(0, BT)
-    base = DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h
-    tl.store(base + cv[None, :], dq.to(DQ.dtype.element_ty),
-             mask=hmask[:, None] & (cv[None, :] < V))
-    tl.store(base + V + ct[None, :], dqt.to(DQ.dtype.element_ty),
-             mask=hmask[:, None] & (ct[None, :] < T))
+        pds_rows = pds_base[None, :] + slots[:, None] * 2 * N
+        pmask = hmask[None, :] & (slots[:, None] < W)
+        if not SKIP_EMPTY or tl.max(valid.to(tl.int32), 0) > 0:
+            k_rows = KV + bi * skv_b + keys * skv_s
+            st = tl.zeros([BK, BH], tl.float32)
+            dpt = tl.zeros([BK, BH], tl.float32)
+            for c0 in range(0, V, BC):
+                c = c0 + tl.arange(0, BC)
+                k = tl.load(k_rows[:, None] + c[None, :],
+                            mask=valid[:, None] & (c[None, :] < V), other=0.0)
+                qc = tl.load(q_rows[None, :] + c[:, None],
+                             mask=hmask[None, :] & (c[:, None] < V), other=0.0)
+                doc = tl.load(do_rows[None, :] + c[:, None],
+                              mask=hmask[None, :] & (c[:, None] < V), other=0.0)
+                st += tl.dot(k, qc, input_precision=PREC)
+                dpt += tl.dot(k, doc, input_precision=PREC)
+            if T > 0:
+                ct = tl.arange(0, BT)
+                kt = tl.load(k_rows[:, None] + V + ct[None, :],
+                             mask=valid[:, None] & (ct[None, :] < T), other=0.0)
+                qt = tl.load(q_rows[None, :] + V + ct[:, None],
+                             mask=hmask[None, :] & (ct[:, None] < T), other=0.0)
+                st += tl.dot(kt, qt, input_precision=PREC)
+            p = tl.where(valid[:, None], tl.exp2(st * scale_log2 - lse2[None, :]), 0.0)
+            ds = p * (dpt - delta[None, :]) * scale
+            tl.store(pds_rows, ds.to(PDS.dtype.element_ty), mask=pmask)
+            tl.store(pds_rows + N, p.to(PDS.dtype.element_ty), mask=pmask)
+        else:  # the batched GEMM reads every slot
+            zero = tl.zeros([BK, BH], PDS.dtype.element_ty)
+            tl.store(pds_rows, zero, mask=pmask)
+            tl.store(pds_rows + N, zero, mask=pmask)
+
+
+@triton.jit
+def _dq_kernel(Q, KV, DO, IDX, KSTART, QPOS, PDS, DQ, STACK, t0, S, N, W, V, D, sq_s, sq_b, sq_h,
+               skv_s, skv_b, si_b, si_s, sdo_s, sdo_b, sdo_h, BH: tl.constexpr, BK: tl.constexpr,
+               BC: tl.constexpr, HAS_KSTART: tl.constexpr, HAS_QPOS: tl.constexpr,
+               PREC: tl.constexpr):
+    """Token ``t0 + row`` of a chunk, heads of one block, channels ``c`` of one block:
+    ``DQ[t, h, c] = sum_slot dS[t, h, slot] K[key(slot), c]`` from the chunk's stored ``dS``
+    (zero on ignored slots), and the token's ``STACK [chunk, 2N, D]`` rows: ``Q[t, h, c]``, then
+    ``dO[t, h, c]`` for ``c < V`` (other channels of those rows are left as they are). Grid
+    (chunk tokens x channel blocks, head blocks), a token's channel blocks adjacent so that its
+    ``dS`` is read from L2."""
+    blocks = tl.cdiv(D, BC)
+    row = (tl.program_id(0) // blocks).to(tl.int64)
+    c = (tl.program_id(0) % blocks) * BC + tl.arange(0, BC)
+    cmask = c < D
+    t = t0 + row
+    bi = t // S
+    i = t % S
+    heads = tl.program_id(1) * BH + tl.arange(0, BH)
+    hmask = heads < N
+    tile_mask = hmask[:, None] & cmask[None, :]
+    q_tile = Q + i * sq_s + bi * sq_b + heads[:, None] * sq_h + c[None, :]
+    stack_tile = STACK + (row * 2 * N + heads[:, None]) * D + c[None, :]
+    tl.store(stack_tile, tl.load(q_tile, mask=tile_mask), mask=tile_mask)
+    vmask = hmask[:, None] & (c[None, :] < V)
+    do_tile = DO + i * sdo_s + bi * sdo_b + heads[:, None] * sdo_h + c[None, :]
+    tl.store(stack_tile + N * D, tl.load(do_tile, mask=vmask), mask=vmask)
+    ds_rows = PDS + row * W * 2 * N + heads
+    acc = tl.zeros([BH, BC], tl.float32)
+    for k0 in range(0, W, BK):
+        slots = k0 + tl.arange(0, BK)
+        keys, valid = selected_slots(IDX, KSTART, QPOS, bi, i, slots, W, si_b, si_s, HAS_KSTART,
+                                      HAS_QPOS)
+        ds = tl.load(ds_rows[:, None] + slots[None, :] * 2 * N,
+                     mask=hmask[:, None] & (slots[None, :] < W), other=0.0)
+        k = tl.load(KV + bi * skv_b + keys[:, None] * skv_s + c[None, :],
+                    mask=valid[:, None] & cmask[None, :], other=0.0)
+        acc += tl.dot(ds, k, input_precision=PREC)
+    tl.store(DQ + i * sq_s + bi * sq_b + heads[:, None] * sq_h + c[None, :],
+             acc.to(DQ.dtype.element_ty), mask=tile_mask)
 
 
 @triton.jit
@@ -264,27 +306,36 @@ def _dkv_reduce_kernel(PART, ORDER, SEGMENT, DKV, key0, D, BR: tl.constexpr, BD:
 
 
 CONFIGS = {
-    "fwd": dict(BH=64, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
-    "grad": dict(BH=32, BK=32, num_warps=8, num_stages=1, SKIP_EMPTY=True),
+    "fwd": dict(BH=64, BK=64, BC=64, num_warps=8, num_stages=3, SKIP_EMPTY=True),
+    "grad": dict(BH=64, BK=128, BC=64, num_warps=8, num_stages=3, SKIP_EMPTY=True),
+    "dq": dict(BH=64, BK=32, BC=64, num_warps=4, num_stages=3),
     "probs": dict(BH=32, BK=32, num_warps=8, num_stages=1),
 }
-"""Head block (capped at the head count), slot block, warps and stages per kernel (``probs``: the
-slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot blocks in the
-slot loops (saves their work; may keep the loop's loads from being software-pipelined). Chosen
-for d_k = 576 bf16 on Hopper from ptxas reports (compiled for sm_90: few register spills, shared
-memory under the 227 KiB per block at d_k 576 and 512); the bits of the results depend on BK and
-BH, so a fixed table (no autotuning) keeps runs reproducible across processes."""
+"""Head block (capped at the head count), slot block, channel block (``BC``), warps and stages per
+kernel (``fwd``: output and lse; ``grad``: P and dS; ``dq``: the query gradient and the stacked
+operand; ``probs``: the slot probabilities); ``SKIP_EMPTY`` branches around all-invalid slot
+blocks in the slot loops. Chosen for d_k = 576 bf16 on Hopper by the sweep of
+``scripts/bench/sparse_mla_triton_check.py`` at 32K (docs/benchmarks.md, "Sparse MLA attention");
+the bits of the results depend on BK, BH and BC, so a fixed table (no autotuning) keeps runs
+reproducible across processes."""
 
 
-def _meta(kernel: str, n: int, v: int, tail: int, dtype: torch.dtype) -> dict:
-    """Constexpr and launch arguments of ``kernel``: value/tail channel blocks (powers of two
-    >= 16, masked), head and slot blocks, dot precision (exact fp32 for fp32 inputs)."""
+def _meta(kernel: str, n: int, dtype: torch.dtype) -> dict:
+    """Constexpr and launch arguments of ``kernel`` from ``CONFIGS``: head block capped at the head
+    count, dot precision (exact fp32 for fp32 inputs, on small tiles)."""
     cfg = dict(CONFIGS[kernel])
     cfg["BH"] = min(cfg["BH"], pow2(n))
     if dtype == torch.float32:  # fp32 dots run on CUDA cores: small tiles
         cfg.update(BH=min(cfg["BH"], 16), BK=16)
-    return dict(cfg, V=v, T=tail, BV=pow2(v), BT=pow2(tail),
-                PREC="ieee" if dtype == torch.float32 else "tf32")
+        if "BC" in cfg:
+            cfg["BC"] = 32
+    return dict(cfg, PREC="ieee" if dtype == torch.float32 else "tf32")
+
+
+def _channels(v: int, tail: int) -> dict:
+    """Value/tail channel constexprs of the kernels that hold whole rows: widths and their blocks
+    (powers of two >= 16, masked)."""
+    return dict(V=v, T=tail, BV=pow2(v), BT=pow2(tail))
 
 
 class _SparseMLATriton(torch.autograd.Function):
@@ -307,7 +358,7 @@ class _SparseMLATriton(torch.autograd.Function):
         else:
             out = query.new_empty(s, b, n, v_channels)
             lse2 = torch.empty(s, b, n, dtype=torch.float32, device=query.device)
-            meta = _meta("fwd", n, v_channels, d - v_channels, query.dtype)
+            meta = dict(_meta("fwd", n, query.dtype), **_channels(v_channels, d - v_channels))
             _fwd_kernel[(b * s, triton.cdiv(n, meta["BH"]))](
                 query, latent_kv, topk_indices, start, qpos, out, lse2, s, b, n, w,
                 softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
@@ -316,7 +367,7 @@ class _SparseMLATriton(torch.autograd.Function):
         probs = None
         if slot_probs:
             probs = torch.empty(b, s, w, dtype=torch.float32, device=query.device)
-            meta = _meta("probs", n, v_channels, d - v_channels, query.dtype)
+            meta = dict(_meta("probs", n, query.dtype), **_channels(v_channels, d - v_channels))
             _slot_probs_kernel[(b * s, triton.cdiv(w, meta["BK"]))](
                 query, latent_kv, topk_indices, start, qpos, lse2, probs, s, b, n, w,
                 softmax_scale * LOG2E, *query.stride()[:3], *latent_kv.stride()[:2],
@@ -350,21 +401,24 @@ class _SparseMLATriton(torch.autograd.Function):
         chunk = max(1, min(b * s, PARTIAL_BUFFER_BYTES
                            // partial_bytes_per_token(n, w, d, query.dtype)))
         partial = torch.empty(chunk, w, d, dtype=query.dtype, device=query.device)
-        pds = torch.empty(chunk, 2 * n, w, dtype=query.dtype, device=query.device)
+        pds = torch.empty(chunk, w, 2 * n, dtype=query.dtype, device=query.device)
+        # the dq kernel fills the rows of Q and the value channels of dO; dO's tail stays 0
         stacked = torch.zeros(chunk, 2 * n, d, dtype=query.dtype, device=query.device)
         flat = topk_indices.reshape(b * s, w)
-        meta = _meta("grad", n, v, d - v, query.dtype)
+        grad_meta = dict(_meta("grad", n, query.dtype), V=v, T=d - v, BT=pow2(d - v))
+        dq_meta = _meta("dq", n, query.dtype)
         for t0 in range(0, b * s, chunk):
             t1 = min(t0 + chunk, b * s)
             rows = t1 - t0
-            _grad_kernel[(rows, triton.cdiv(n, meta["BH"]))](
-                query, latent_kv, do, topk_indices, start, qpos, lse2, delta, grad_query, pds, t0,
-                s, b, n, w, scale, scale * LOG2E, *strides, HAS_KSTART=has_start,
-                HAS_QPOS=has_qpos, **meta)
+            _grad_kernel[(rows, triton.cdiv(n, grad_meta["BH"]))](
+                query, latent_kv, do, topk_indices, start, qpos, lse2, delta, pds, t0, s, b, n, w,
+                scale, scale * LOG2E, *strides, HAS_KSTART=has_start, HAS_QPOS=has_qpos,
+                **grad_meta)
+            _dq_kernel[(rows * triton.cdiv(d, dq_meta["BC"]), triton.cdiv(n, dq_meta["BH"]))](
+                query, latent_kv, do, topk_indices, start, qpos, pds, grad_query, stacked, t0, s,
+                n, w, v, d, *strides, HAS_KSTART=has_start, HAS_QPOS=has_qpos, **dq_meta)
             token = torch.arange(t0, t1, device=query.device)
-            stacked[:rows, :n] = query[token % s, token // s]
-            stacked[:rows, n:, :v] = do[token % s, token // s]  # tail channels stay 0
-            torch.bmm(pds[:rows].transpose(1, 2), stacked[:rows], out=partial[:rows])
+            torch.bmm(pds[:rows], stacked[:rows], out=partial[:rows])
             # flat key ids (batch * s_kv + key) of the chunk's valid slots, invalid -> b * s_kv
             # (last); they lie in [key0, key_end): from the first key of t0's batch row to t1
             # (key <= i) or, with query_pos, to the end of t1 - 1's batch row

@@ -12,12 +12,13 @@
    forward+backward (torch profiler).
 4. With ``--sweep`` (about a dozen more kernel compiles; ``--sweep-only``: this alone), at the first
    size: each kernel's alternatives of ``SWEEP`` in turn (the others at their defaults), timing
-   forward (``fwd``) or forward+backward (``grad``), with the relative difference of the
+   forward (``fwd``) or forward+backward (``grad``, ``dq``), with the relative difference of the
    results from the default table's (a wrong variant shows there; bits differ anyway, as BK and
    BH fix the summation order). It sweeps the kernels of the layout the runs use (``--layout``;
    ``auto``: the one :func:`~kpool_layers.kernels.sparse_mla_dense_triton.dense_pays` picks at
-   that size): the gather kernels' ``SWEEP``, or the dense kernels' ``DENSE_SWEEP`` and their
-   query-chunk counts ``CHUNK_SWEEP``.
+   that size): the gather kernels' ``SWEEP`` and the backward's buffer budgets ``BUFFER_SWEEP``
+   (with their extra peak memory), or the dense kernels' ``DENSE_SWEEP`` and their query-chunk
+   counts ``CHUNK_SWEEP``.
 
 Top-k indices: per query, W distinct random keys of its causal prefix (fewer early on, padded with
 -1), so the first W queries have empty slots, as from the indexer.
@@ -25,6 +26,8 @@ Top-k indices: per query, W distinct random keys of its causal prefix (fewer ear
     python scripts/bench/sparse_mla_triton_check.py --out runs/sparse_mla_triton.json
     python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --no-torch --sweep --out x.json
     python scripts/bench/sparse_mla_triton_check.py --sizes 8192 --layout gather --sweep-only --out x.json
+    python scripts/bench/sparse_mla_triton_check.py --sizes 32768 --layout gather --sweep-only \
+        --sweep-kernels grad dq buffer --out x.json
     python scripts/bench/sparse_mla_triton_check.py --sizes 4096 --heads 16 --sweep-only --out x.json
 Works with torch >= 2.4 and triton >= 3.0 (uses only ``do_bench(..., return_mode="median")``).
 Each kernel compiles at first use (checked offline for sm_90 with ptxas: the default table fits
@@ -46,17 +49,18 @@ from kpool_layers.kernels.sparse_mla_triton import sparse_mla_triton
 from kpool_layers.dsa.sparse_attention import sparse_mla_attention
 
 TORCH_CHUNK = 512
-SWEEP = {kernel: [dict(BH=bh, BK=bk, num_warps=w, num_stages=st) for bh, bk, w, st in variants]
-         for kernel, variants in {
-             "fwd": [(64, 32, 8, 2), (32, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 1),
-                     (16, 32, 4, 2)],
-             "grad": [(32, 32, 8, 2), (32, 16, 8, 1), (16, 32, 4, 1), (32, 64, 8, 1),
-                      (64, 32, 8, 1)],
-         }.items()}
-SWEEP["fwd"].append(dict(SKIP_EMPTY=False, num_stages=2))
-SWEEP["grad"].append(dict(SKIP_EMPTY=False, num_stages=2))
+SWEEP = {
+    "fwd": [dict(BK=32), dict(BC=128, num_stages=2), dict(num_stages=2), dict(SKIP_EMPTY=False),
+            dict(BK=128, num_stages=2), dict(BH=32, num_warps=4)],
+    "grad": [dict(BK=64), dict(SKIP_EMPTY=False), dict(BC=128, num_stages=2),
+             dict(num_stages=2), dict(num_stages=4), dict(BK=128, BC=32, num_stages=4)],
+    "dq": [dict(BK=64), dict(BK=64, BC=128, num_warps=8), dict(num_stages=2)],
+}
 """Alternatives to ``smla.CONFIGS`` tried by the gather layout's sweep (each updates the kernel's
 default)."""
+
+BUFFER_SWEEP = [1 << 30, 4 << 30]
+"""Alternatives to ``smla.PARTIAL_BUFFER_BYTES`` tried by the gather layout's sweep."""
 
 DENSE_SWEEP = {
     "softmax": [dict(BN=128), dict(BN=512, num_warps=8), dict(num_warps=8)],
@@ -181,9 +185,11 @@ def timing(s: int, n: int, d: int, v: int, width: int, paths: list[str]) -> list
     return rows
 
 
-def sweep(s: int, n: int, d: int, v: int, width: int, dense_layout: bool) -> list[dict]:
+def sweep(s: int, n: int, d: int, v: int, width: int, dense_layout: bool,
+          kernels: list[str] | None = None) -> list[dict]:
     """Each alternative of ``SWEEP`` (gather) or of ``DENSE_SWEEP`` and ``CHUNK_SWEEP`` (dense)
-    against the default table (see the module docstring)."""
+    against the default table (see the module docstring); ``kernels``: only those tables' rows
+    (default all, the buffer budgets and query-chunk counts included)."""
     x = inputs(s, n, d, v, width, thd=False, seed=3)
     table, variants = (dense.CONFIGS, DENSE_SWEEP) if dense_layout else (smla.CONFIGS, SWEEP)
     default = {kernel: dict(cfg) for kernel, cfg in table.items()}
@@ -202,16 +208,27 @@ def sweep(s: int, n: int, d: int, v: int, width: int, dense_layout: bool) -> lis
                                          rep=100, return_mode="median")
         except Exception as error:  # noqa: BLE001 - e.g. out of shared memory: report, go on
             row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        print(row, flush=True)
         return row
 
     rows = []
     for kernel, alternatives in variants.items():
+        if kernels and kernel not in kernels:
+            continue
         for variant in [{}, *alternatives]:
             table[kernel] = {**default[kernel], **variant}
             rows.append(measure(dict(kernel=kernel, **table[kernel]),
                                 kernel in ("fwd", "softmax")))
         table[kernel] = default[kernel]
-    if dense_layout:
+    if not dense_layout and (not kernels or "buffer" in kernels):
+        budget = smla.PARTIAL_BUFFER_BYTES
+        for size in [budget, *BUFFER_SWEEP]:
+            smla.PARTIAL_BUFFER_BYTES = size
+            row = measure(dict(kernel="buffer", PARTIAL_BUFFER_BYTES=size), False)
+            row["peak_gib"] = bench(lambda: forward_backward("triton", x))[1]
+            rows.append(row)
+        smla.PARTIAL_BUFFER_BYTES = budget
+    if dense_layout and (not kernels or "chunks" in kernels):
         chunks = dense.QUERY_CHUNKS
         for count in [chunks, *CHUNK_SWEEP]:
             dense.QUERY_CHUNKS = count
@@ -249,6 +266,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also sweep block sizes")
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the sweep (no checks, timing or kernel breakdown)")
+    parser.add_argument("--sweep-kernels", nargs="+", metavar="TABLE",
+                        help="sweep only these rows: kernel names of the sweep tables, 'buffer' "
+                             "(gather backward budgets), 'chunks' (dense query chunks)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     LAYOUT[0] = args.layout
@@ -271,19 +291,21 @@ def main() -> None:
         dense_layout = args.layout == "dense" or (args.layout == "auto" and dense.dense_pays(
             args.sizes[0], args.width, args.heads))
         report["sweep_layout"] = "dense" if dense_layout else "gather"
-        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width, dense_layout)
+        report["sweep"] = sweep(args.sizes[0], args.heads, 576, 512, args.width, dense_layout,
+                                args.sweep_kernels)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
         print(f"\nsweep of the {report['sweep_layout']} kernels (s={args.sizes[0]}; first row per "
               "kernel = default)")
         for r in report["sweep"]:
             cfg = " ".join(f"{k}={val}" for k, val in r.items()
-                           if k not in ("rel_diff", "ms_fwd", "ms_fwd_bwd", "error"))
+                           if k not in ("rel_diff", "ms_fwd", "ms_fwd_bwd", "error", "peak_gib"))
             if "error" in r:
                 print(f"{cfg:<60}  {r['error'][:80]}")
             else:
                 print(f"{cfg:<60}  fwd {r.get('ms_fwd', float('nan')):7.2f} ms  fwd+bwd "
-                      f"{r['ms_fwd_bwd']:7.2f} ms  rel diff {r['rel_diff']:.1e}")
+                      f"{r['ms_fwd_bwd']:7.2f} ms  rel diff {r['rel_diff']:.1e}"
+                      + (f"  peak {r['peak_gib']:.2f} GiB" if "peak_gib" in r else ""))
     print(f"\nkernels (s={args.sizes[0]}, ms): {report['kernels_ms']}")
     print("\ncheck       ok    det   err out / dq / dkv (torch bf16 path)")
     for r in report["checks"]:
