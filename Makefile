@@ -25,7 +25,7 @@ lint: setup
 	$(PY) -m ruff check .
 
 # The test suite CI runs (GPU tests skip on CPU; SLURM tests need scripts/slurm_local.sh); about
-# 33 min on 2 CPU cores (docs/benchmarks.md). Runs quiet (-q); a -q in ARGS is dropped, as pytest's
+# 35 min on 2 CPU cores (docs/benchmarks.md). Runs quiet (-q); a -q in ARGS is dropped, as pytest's
 # -q -q would drop the summary line (`make test ARGS="tests/test_sweep.py -q"`).
 test: setup
 	$(PY) -m pytest -q $(filter-out -q --quiet,$(ARGS))
