@@ -1,6 +1,7 @@
 """Tile helpers shared by the Triton sparse-MLA kernels (:mod:`.sparse_mla_triton`, gathered key
-rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): a query row's valid slots, row
-loads split into the value and tail (rope) channels, the scores over both, and the backward's
+rows, and :mod:`.sparse_mla_dense_triton`, contiguous key blocks): a query row's valid slots,
+channel tiles of gathered rows (either orientation), row loads split into the value and tail (rope)
+channels, the scores over both, and the backward's
 ``delta = rowsum(dO * O)``."""
 
 from __future__ import annotations
@@ -11,6 +12,22 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 """``log2(e)``: the kernels' softmax runs in base 2 (``exp2``)."""
+
+
+@triton.jit
+def load_tile(rows, row_mask, cols, width):
+    """``[R, C]`` tile ``rows[r] + cols[c]`` (row pointers plus channel offsets), 0 where
+    ``row_mask`` is False or ``cols >= width``."""
+    return tl.load(rows[:, None] + cols[None, :],
+                   mask=row_mask[:, None] & (cols[None, :] < width), other=0.0)
+
+
+@triton.jit
+def load_tile_t(rows, row_mask, cols, width):
+    """The transposed tile, ``[C, R]``: ``rows[r] + cols[c]`` at ``[c, r]``, masked like
+    :func:`load_tile`."""
+    return tl.load(rows[None, :] + cols[:, None],
+                   mask=row_mask[None, :] & (cols[:, None] < width), other=0.0)
 
 
 @triton.jit

@@ -80,7 +80,7 @@ import triton.language as tl
 
 from kpool_layers.kernels import sparse_mla_dense_triton as dense_mla
 from kpool_layers.kernels.mla_tiles_triton import (
-    LOG2E, load_rows, output_delta, pow2, scores, selected_slots)
+    LOG2E, load_rows, load_tile, load_tile_t, output_delta, pow2, scores, selected_slots)
 from kpool_layers.dsa.sparse_attention import check_layouts
 
 Layout = Literal["auto", "gather", "dense"]
@@ -127,26 +127,19 @@ def _fwd_kernel(Q, KV, IDX, KSTART, QPOS, O, LSE, S, B, N, W, scale_log2,
             sc = tl.zeros([BH, BK], tl.float32)
             for c0 in range(0, V, BC):
                 c = c0 + tl.arange(0, BC)
-                qc = tl.load(q_rows[:, None] + c[None, :],
-                             mask=hmask[:, None] & (c[None, :] < V), other=0.0)
-                kc = tl.load(k_rows[None, :] + c[:, None],
-                             mask=valid[None, :] & (c[:, None] < V), other=0.0)
-                sc += tl.dot(qc, kc, input_precision=PREC)
+                sc += tl.dot(load_tile(q_rows, hmask, c, V), load_tile_t(k_rows, valid, c, V),
+                             input_precision=PREC)
             if T > 0:
                 ct = tl.arange(0, BT)
-                qt = tl.load(q_rows[:, None] + V + ct[None, :],
-                             mask=hmask[:, None] & (ct[None, :] < T), other=0.0)
-                kt = tl.load(k_rows[None, :] + V + ct[:, None],
-                             mask=valid[None, :] & (ct[:, None] < T), other=0.0)
-                sc += tl.dot(qt, kt, input_precision=PREC)
+                sc += tl.dot(load_tile(q_rows + V, hmask, ct, T),
+                             load_tile_t(k_rows + V, valid, ct, T), input_precision=PREC)
             sc = tl.where(valid[None, :], sc * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 1))
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: p = alpha = 0
             p = tl.exp2(sc - m_ref[:, None])
             alpha = tl.exp2(m - m_ref)
             l = l * alpha + tl.sum(p, 1)
-            value = tl.load(k_rows[:, None] + cv[None, :],
-                            mask=valid[:, None] & (cv[None, :] < V), other=0.0)
+            value = load_tile(k_rows, valid, cv, V)
             acc = acc * alpha[:, None] + tl.dot(p.to(value.dtype), value, input_precision=PREC)
             m = m_new
     nonempty = l > 0.0
@@ -192,21 +185,13 @@ def _grad_kernel(Q, KV, DO, IDX, KSTART, QPOS, LSE, DELTA, PDS, t0, S, B, N, W, 
             dpt = tl.zeros([BK, BH], tl.float32)
             for c0 in range(0, V, BC):
                 c = c0 + tl.arange(0, BC)
-                k = tl.load(k_rows[:, None] + c[None, :],
-                            mask=valid[:, None] & (c[None, :] < V), other=0.0)
-                qc = tl.load(q_rows[None, :] + c[:, None],
-                             mask=hmask[None, :] & (c[:, None] < V), other=0.0)
-                doc = tl.load(do_rows[None, :] + c[:, None],
-                              mask=hmask[None, :] & (c[:, None] < V), other=0.0)
-                st += tl.dot(k, qc, input_precision=PREC)
-                dpt += tl.dot(k, doc, input_precision=PREC)
+                k = load_tile(k_rows, valid, c, V)
+                st += tl.dot(k, load_tile_t(q_rows, hmask, c, V), input_precision=PREC)
+                dpt += tl.dot(k, load_tile_t(do_rows, hmask, c, V), input_precision=PREC)
             if T > 0:
                 ct = tl.arange(0, BT)
-                kt = tl.load(k_rows[:, None] + V + ct[None, :],
-                             mask=valid[:, None] & (ct[None, :] < T), other=0.0)
-                qt = tl.load(q_rows[None, :] + V + ct[:, None],
-                             mask=hmask[None, :] & (ct[:, None] < T), other=0.0)
-                st += tl.dot(kt, qt, input_precision=PREC)
+                st += tl.dot(load_tile(k_rows + V, valid, ct, T),
+                             load_tile_t(q_rows + V, hmask, ct, T), input_precision=PREC)
             p = tl.where(valid[:, None], tl.exp2(st * scale_log2 - lse2[None, :]), 0.0)
             ds = p * (dpt - delta[None, :]) * scale
             tl.store(pds_rows, ds.to(PDS.dtype.element_ty), mask=pmask)
