@@ -267,6 +267,7 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true",
                         help="only the sweep (no checks, timing or kernel breakdown)")
     parser.add_argument("--sweep-kernels", nargs="+", metavar="TABLE",
+                        choices=sorted({*SWEEP, *DENSE_SWEEP, "buffer", "chunks"}),
                         help="sweep only these rows: kernel names of the sweep tables, 'buffer' "
                              "(gather backward budgets), 'chunks' (dense query chunks)")
     args = parser.parse_args()
