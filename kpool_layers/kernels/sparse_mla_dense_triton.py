@@ -71,8 +71,10 @@ DENSE_KEYS_PER_SLOT = 16
 S_BUFFER_BYTES = 1 << 29
 """Upper bound of the forward's fp32 ``S`` and ``P`` buffers of a query chunk together."""
 
-DS_BUFFER_BYTES = 1 << 29
-"""Upper bound of the backward's ``P`` and ``dS`` buffers of a query chunk together."""
+DS_BUFFER_BYTES = 1 << 28
+"""Upper bound of the backward's ``P`` and ``dS`` buffers of a query chunk together. 256 MiB
+against 512: the same time or less at 4K and 8K (64 heads), 3% more at 16 heads and 16K, and
+360 MiB less peak at 4K (docs/benchmarks.md, "Sparse MLA attention")."""
 
 QUERY_CHUNKS = 4
 """The forward and the backward split the queries into at least this many chunks (the keys a chunk
@@ -218,13 +220,14 @@ def _ds_kernel(Q, KV, DO, BITS, LSE, DELTA, P, DS, t0, bi, S, S_KV, B, N, NW, R,
 
 
 CONFIGS = {
-    "softmax": dict(BH=16, BN=256, num_warps=4),
-    "ds": dict(BM=128, BN=128, BC=64, num_warps=8, num_stages=3),
+    "softmax": dict(BH=16, BN=128, num_warps=4),
+    "ds": dict(BM=64, BN=256, BC=64, num_warps=8, num_stages=3),
 }
 """Rows (heads of one query token, ``softmax``; query tokens x heads, ``ds``), key block and
-(``ds``) channel block per kernel. ``ds`` chosen on an H200 for the 16-head proxy; ``softmax``
-not tuned. The bits of the results depend on them, so a fixed table (no autotuning) keeps runs
-reproducible across processes."""
+(``ds``) channel block per kernel, the fastest of the sweep at 16 and 64 heads and 4K on an H100
+(``scripts/bench/sparse_mla_triton_check.py --sweep-only``; docs/benchmarks.md). The bits of the
+results depend on them, so a fixed table (no autotuning) keeps runs reproducible across
+processes."""
 
 
 def _query_chunks(s: int, s_kv: int, query_pos: torch.Tensor | None, per_token: int, budget: int
