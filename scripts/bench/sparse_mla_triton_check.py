@@ -63,7 +63,7 @@ BUFFER_SWEEP = [1 << 30, 4 << 30]
 """Alternatives to ``smla.PARTIAL_BUFFER_BYTES`` tried by the gather layout's sweep."""
 
 DENSE_SWEEP = {
-    "softmax": [dict(BN=256), dict(BN=512, num_warps=8), dict(num_warps=8)],
+    "softmax": [dict(BN=128), dict(BN=512, num_warps=8), dict(num_warps=8)],
     "ds": [dict(BM=128, BN=128), dict(BN=128, num_warps=4), dict(BM=128, BN=64, num_warps=4),
            dict(BC=32, num_stages=4), dict(num_stages=2)],
 }
