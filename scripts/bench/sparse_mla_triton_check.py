@@ -17,8 +17,9 @@
    BH fix the summation order). It sweeps the kernels of the layout the runs use (``--layout``;
    ``auto``: the one :func:`~kpool_layers.kernels.sparse_mla_dense_triton.dense_pays` picks at
    that size): the gather kernels' ``SWEEP`` and the backward's buffer budgets ``BUFFER_SWEEP``
-   (with their extra peak memory), or the dense kernels' ``DENSE_SWEEP`` and their query-chunk
-   counts ``CHUNK_SWEEP``.
+   (with their extra peak memory), or the dense kernels' ``DENSE_SWEEP``, their query-chunk
+   counts ``CHUNK_SWEEP`` and the backward's ``P``/``dS`` budgets ``DENSE_BUFFER_SWEEP`` (with
+   their extra peak memory).
 
 Top-k indices: per query, W distinct random keys of its causal prefix (fewer early on, padded with
 -1), so the first W queries have empty slots, as from the indexer.
@@ -71,6 +72,9 @@ DENSE_SWEEP = {
 
 CHUNK_SWEEP = [2, 8, 16]
 """Alternatives to ``dense.QUERY_CHUNKS`` tried by the dense layout's sweep."""
+
+DENSE_BUFFER_SWEEP = [1 << 29, 1 << 27]
+"""Alternatives to ``dense.DS_BUFFER_BYTES`` tried by the dense layout's sweep."""
 
 
 def causal_topk(s: int, width: int, key_start: torch.Tensor | None, seed: int) -> torch.Tensor:
@@ -220,14 +224,16 @@ def sweep(s: int, n: int, d: int, v: int, width: int, dense_layout: bool,
             rows.append(measure(dict(kernel=kernel, **table[kernel]),
                                 kernel in ("fwd", "softmax")))
         table[kernel] = default[kernel]
-    if not dense_layout and (not kernels or "buffer" in kernels):
-        budget = smla.PARTIAL_BUFFER_BYTES
-        for size in [budget, *BUFFER_SWEEP]:
-            smla.PARTIAL_BUFFER_BYTES = size
-            row = measure(dict(kernel="buffer", PARTIAL_BUFFER_BYTES=size), False)
+    if not kernels or "buffer" in kernels:
+        module, name, sizes = ((dense, "DS_BUFFER_BYTES", DENSE_BUFFER_SWEEP) if dense_layout
+                               else (smla, "PARTIAL_BUFFER_BYTES", BUFFER_SWEEP))
+        budget = getattr(module, name)
+        for size in [budget, *sizes]:
+            setattr(module, name, size)
+            row = measure({"kernel": "buffer", name: size}, False)
             row["peak_gib"] = bench(lambda: forward_backward("triton", x))[1]
             rows.append(row)
-        smla.PARTIAL_BUFFER_BYTES = budget
+        setattr(module, name, budget)
     if dense_layout and (not kernels or "chunks" in kernels):
         chunks = dense.QUERY_CHUNKS
         for count in [chunks, *CHUNK_SWEEP]:
@@ -269,7 +275,8 @@ def main() -> None:
     parser.add_argument("--sweep-kernels", nargs="+", metavar="TABLE",
                         choices=sorted({*SWEEP, *DENSE_SWEEP, "buffer", "chunks"}),
                         help="sweep only these rows: kernel names of the sweep tables, 'buffer' "
-                             "(gather backward budgets), 'chunks' (dense query chunks)")
+                             "(the layout's backward buffer budgets), 'chunks' (dense query "
+                             "chunks)")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a CUDA GPU"
     LAYOUT[0] = args.layout
