@@ -228,8 +228,8 @@ CONFIGS = {
 an H100 (``scripts/bench/sparse_mla_triton_check.py --sweep-only``; docs/benchmarks.md).
 ``softmax``: key blocks of 128 were 3-4% faster at 4K in that sweep, but the forward took 21.95
 against 18.2 ms at 8K (64 heads) and 22.45 against 18.0 ms at 16K (16 heads) with them (two runs
-on H100s). The bits of the results depend on them, so a fixed
-table (no autotuning) keeps runs reproducible across processes."""
+on H100s). The bits of the results depend on them, so a fixed table (no autotuning) keeps runs
+reproducible across processes."""
 
 
 def _query_chunks(s: int, s_kv: int, query_pos: torch.Tensor | None, per_token: int, budget: int
