@@ -160,9 +160,8 @@ def test_replayed_dense_training_equals_eager_bit_for_bit(tmp_path: Path) -> Non
 def test_replayed_moe_training_with_eager_drift_steps(tmp_path: Path) -> None:
     """The MoE model replays too, with the drift measurement's steps (2 and 4) run eagerly in
     between: step 1 eager, step 3 captured (the drift step does not count as a warm-up step), step
-    5 replayed. Bit for bit: megatron's unpermute adds each token's ``moe_router_topk = 2`` expert
-    outputs with atomics onto zeros, and two additions onto zero give the same bits in either
-    order (addition commutes), so the order of the atomics cannot change a sum."""
+    5 replayed. Bit for bit: the token dispatcher adds each token's expert rows in a fixed order
+    without atomics, forward and backward (``kpool_layers.moe.permute``)."""
     moe = TINY_GPU + ["precision.drift.interval=2"]
     eager = _losses(tmp_path, "eager", moe)
     graphed = _losses(tmp_path, "graphed", moe + [GRAPHS], captured_at=3)

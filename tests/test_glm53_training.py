@@ -99,8 +99,8 @@ def test_gpu_replayed_training_equals_eager_bit_for_bit(tmp_path: Path) -> None:
     """``train.cuda_graph_impl=full_iteration`` with KDA layers on fla's kernels, the mHC and DSA
     Triton kernels and top-2 MoE: step 1 eager, step 2 captured then replayed, steps 3-5 replayed.
     The losses and grad norms equal an eager run's bit for bit: none of these kernels reads a device
-    value on the host for unpacked rows, none adds with float atomics except megatron's unpermute,
-    whose two additions per token onto zeros commute (tests/test_cuda_graph.py), and the second run
+    value on the host for unpacked rows, none adds with float atomics (the MoE token dispatcher adds
+    each token's expert rows in a fixed order, ``kpool_layers.moe.permute``), and the second run
     reads fla's autotuned configurations from Triton's cache, so both run the same kernels."""
     from tests.test_cuda_graph import GRAPHS, _losses as _run_losses
 

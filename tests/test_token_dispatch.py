@@ -108,3 +108,23 @@ def test_capacity_factor_keeps_megatrons_allgather_dispatcher(single_rank_parall
                         submodules=MoESubmodules(experts=_experts(False), router=TopKRouter), layer_number=1)
     assert not layer.local_token_dispatch
     assert type(layer.token_dispatcher) is MoEAllGatherTokenDispatcher
+
+
+
+def test_combine_adds_each_tokens_expert_rows_in_fp32_in_a_fixed_order(single_rank_parallel_state) -> None:
+    """BF16, top-4: the layer's output is :func:`kpool_layers.moe.permute.torch_row_sum` of the
+    experts' rows (FP32 sums, ``k`` ascending, one BF16 rounding; megatron's ``scatter_add`` rounds
+    to BF16 after every addition), bit for bit, and a rerun gives the same bits. The permutation's
+    backward is the same sum (``tests/test_moe_permute.py``)."""
+    from kpool_layers.moe.permute import torch_row_sum
+
+    cfg = config(moe_router_topk=4, params_dtype=torch.bfloat16, bf16=True)
+    _, ours = layers(cfg, grouped=True)
+    seen = {}
+    ours.experts.register_forward_hook(lambda module, args, out: seen.update(rows=out[0]))
+    x = torch.randn(9, 2, HIDDEN, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out, _ = ours(x)
+    token_rows = ours.token_dispatcher.order.token_rows
+    assert token_rows.shape == (18, 4)
+    assert torch.equal(out.reshape(18, HIDDEN), torch_row_sum(seen["rows"], token_rows))
+    assert torch.equal(ours(x)[0], out)

@@ -9,12 +9,14 @@ static (every token is routed to exactly ``moe_router_topk`` experts: ``T * topk
 grouped experts take the counts on the device (``kpool_layers.moe.grouped_gemm``: ``grouped_mm``'s
 offsets).
 
-:class:`LocalTokenDispatcher` is that dispatcher with ``dispatch_postprocess`` done by megatron's
-own ``permute`` given the static output size and the probabilities (its argsort path: the same
-expert-major order, ties by token index, so the same permuted rows and probabilities bit for bit)
-and the counts left on the device (int64 ``[E]``). Combining is megatron's (``unpermute``).
-Experts that need the counts on the host (``SequentialMLP``, the per-expert loops) read them with
-one ``tolist()``.
+:class:`LocalTokenDispatcher` is that dispatcher with the permutation and the combine of
+:mod:`kpool_layers.moe.permute`: the same expert-major rows and permuted probabilities as megatron's
+``permute`` bit for bit (its argsort order: rows by expert, ties by token index), the counts left on
+the device (int64 ``[E]``), and every sum over a token's expert rows (the combine, and the
+permutation's backward) a gather added in FP32 in a fixed order and rounded once, where megatron
+adds in the tokens' dtype with atomics (``scatter_add`` / ``index_add``): bit-identical reruns
+without deterministic algorithms, in one kernel each way. Experts that need the counts on the
+host (``SequentialMLP``, the per-expert loops) read them with one ``tolist()``.
 
 :class:`GLMMoELayer` is megatron's ``MoELayer`` that uses it, decided once at the build
 (:func:`local_dispatch`): the allgather dispatcher with tensor- and expert-parallel size 1, no
@@ -32,9 +34,11 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection, permute
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from kpool_layers.moe.permute import Permutation, combine_rows, expert_order, permute_rows
 
 
 def local_dispatch(config: TransformerConfig, dispatcher: Any) -> Optional[str]:
@@ -54,6 +58,10 @@ def local_dispatch(config: TransformerConfig, dispatcher: Any) -> Optional[str]:
 class LocalTokenDispatcher(MoEAllGatherTokenDispatcher):
     """megatron's allgather dispatcher for local experts, without host syncs (module docstring)."""
 
+    order: Optional[Permutation] = None
+    """The current micro-batch's row order (set by :meth:`dispatch_postprocess`, read by
+    :meth:`combine_preprocess`)."""
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``hidden [T, H]``, ``probs [T, E]`` -> (rows grouped by expert ``[T * topk, H]``,
@@ -61,11 +69,15 @@ class LocalTokenDispatcher(MoEAllGatherTokenDispatcher):
         self.hidden_shape_before_permute = hidden_states.shape
         self.local_map = self.routing_map
         tokens_per_expert = self.local_map.sum(dim=0)
-        permuted, self.local_probs, self.reversed_local_input_permutation_mapping, _, _ = permute(
-            hidden_states, self.local_map, probs=probs,
-            num_out_tokens=self.local_map.shape[0] * self.router_topk, fused=False)
+        self.order = expert_order(self.local_map, self.router_topk)
+        self.local_probs = probs.t().reshape(-1).index_select(0, self.order.flat)
         self.routing_map = None
-        return permuted, tokens_per_expert, self.local_probs
+        return permute_rows(hidden_states, self.order), tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The experts' rows ``[T * topk, H]`` -> ``[T, H]``, each token's rows summed in a fixed
+        order (module docstring)."""
+        return combine_rows(hidden_states, self.order)
 
 
 class GLMMoELayer(MoELayer):
