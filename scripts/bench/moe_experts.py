@@ -14,6 +14,14 @@ and one FP8 grouped GEMM per projection), with bf16 ``GroupedExperts`` beside th
 ``max_rel_diff`` compares each path's output with the first path's of its case
 (max |difference| / max |first|).
 
+Dispatch (part ``dispatch``): a micro-batch's token permutation into expert-major rows and the
+combine back, forward + backward (the gradient of the tokens), at glm5_proxy's MoE shape (4,096
+tokens, top-4 of 16, hidden 2048) and GLM-5's (top-8 of 16 here, hidden 6144), bf16: megatron's
+``permute`` / ``unpermute`` (``index_select``, ``scatter_add`` and ``index_add`` in bf16 with
+atomics) vs ``kpool_layers.moe.permute`` (``expert_order``, ``permute_rows``, ``combine_rows``:
+FP32 sums in a fixed order, one Triton kernel each way); ``max_rel_diff`` of the token gradient
+against megatron's, ``bitwise_rerun`` whether a rerun of each path gives the same bits.
+
 Quantization (part ``fp8_quant``): one ``[8192, 2048]`` bf16 operand per recipe (blockwise 1x128
 activation and 128x128 weight, rowwise, tensorwise), ue8m0 scales; ``bytes_equal`` checks the fused
 kernel against the reference. Cases ``dequantize ...``: the FP8 backward's dequantization of that
@@ -154,6 +162,48 @@ def bench_quantization() -> list[dict[str, Any]]:
     return rows
 
 
+DISPATCH_SHAPES = {"glm5_proxy": (4096, 16, 4, 2048), "glm5": (4096, 16, 8, 6144)}
+"""Part ``dispatch``: name -> (tokens, experts, top-k, hidden)."""
+
+
+def bench_dispatch() -> list[dict[str, Any]]:
+    """Permutation + combine, forward + backward: megatron's ``permute`` / ``unpermute`` against
+    ``kpool_layers.moe.permute`` (module docstring)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from kpool_layers.moe.permute import combine_rows, expert_order, permute_rows
+
+    def megatron_path(x: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+        rows, _, row_tokens, _, _ = permute(x, routing_map, num_out_tokens=x.shape[0] * topk)
+        return unpermute(rows * 1.5, row_tokens, x.shape)
+
+    def our_path(x: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+        order = expert_order(routing_map, topk)
+        return combine_rows(permute_rows(x, order) * 1.5, order)
+
+    out = []
+    for case, (tokens, experts, topk, hidden) in DISPATCH_SHAPES.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        chosen = torch.rand(tokens, experts, device="cuda", generator=g).topk(topk, dim=1).indices
+        routing_map = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda").scatter_(1, chosen, True)
+        x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        grad = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        grads = {}
+        for name, path in (("megatron", megatron_path), ("fixed order", our_path)):
+            def step(path: Callable[..., torch.Tensor] = path) -> torch.Tensor:
+                x.grad = None
+                path(x, routing_map, topk).backward(grad)
+                return x.grad
+            first, second = step().clone(), step().clone()
+            grads[name] = first
+            ms = do_bench(step, grad_to_none=[x])
+            ref = grads["megatron"].float()
+            diff = float((first.float() - ref).abs().max() / ref.abs().max())
+            out.append({"part": "dispatch", "case": f"{case} {tokens}x{topk} h{hidden}", "path": name, "ms": ms,
+                        "max_rel_diff": diff, "bitwise_rerun": bool(torch.equal(first, second))})
+    return out
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     """Markdown table with the speed-up of every later path of each case over its first."""
     lines = ["| part | case | path | ms | speed-up | check |", "|---|---|---|---|---|---|"]
@@ -164,13 +214,23 @@ def table(rows: list[dict[str, Any]]) -> str:
         first.setdefault(key, r["ms"])
         check = (f"rel diff {r['max_rel_diff']:.1e}" if "max_rel_diff" in r
                  else f"bytes equal: {r['bytes_equal']}")
+        if "bitwise_rerun" in r:
+            check += f", bitwise rerun: {r['bitwise_rerun']}"
         lines.append(f"| {r['part']} | {r['case']} | {r['path']} | {r['ms']:.3f} | {speedup} | {check} |")
     return "\n".join(lines)
+
+
+PARTS: dict[str, Callable[[], list[dict[str, Any]]]] = {
+    "experts": bench_experts, "experts_fp8": bench_experts_fp8, "dispatch": bench_dispatch,
+    "fp8_quant": bench_quantization}
+"""The parts by name, in the order they run."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON output path")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=list(PARTS),
+                        help="which parts to run (default: all)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("moe_experts.py needs a CUDA GPU (grouped_mm, Triton)")
@@ -178,12 +238,13 @@ def main() -> None:
     from timing import init_single_rank
 
     init_single_rank()
-    rows = bench_experts() + bench_experts_fp8() + bench_quantization()
+    rows = [row for part in args.parts for row in PARTS[part]()]
     print(table(rows))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": __import__("triton").__version__, "shape": {
                   "experts": EXPERTS, "hidden": HIDDEN, "ffn": FFN, "tokens": TOKENS,
-                  "quant_operand": list(QUANT_SHAPE)}, "rows": rows}
+                  "quant_operand": list(QUANT_SHAPE), "dispatch": DISPATCH_SHAPES}, "parts": args.parts,
+              "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
