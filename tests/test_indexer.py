@@ -169,9 +169,11 @@ def test_index_scores_formula() -> None:
 
 
 def _rotary_fn(x: torch.Tensor) -> torch.Tensor:
-    """A position-dependent stand-in for rotary on [s, b, n, d]."""
+    """A position-dependent stand-in for rotary on the first 4 channels of [s, b, n, d] (the
+    others passed through, as :class:`kpool_layers.mla.rope.BoundRotary` does)."""
     pos = torch.arange(x.shape[0], dtype=x.dtype).view(-1, 1, 1, 1)
-    return x * torch.cos(pos) + x.roll(1, dims=-1) * torch.sin(pos)
+    rot = x[..., :4]
+    return torch.cat([rot * torch.cos(pos) + rot.roll(1, dims=-1) * torch.sin(pos), x[..., 4:]], dim=-1)
 
 
 @pytest.mark.parametrize("rope_dim", [0, 4])
@@ -186,8 +188,7 @@ def test_layer_math(single_rank_parallel_state, rope_dim: int) -> None:
     q = indexer.linear_wq_b(latent).view(s, b, 2, 8)
     k = indexer.k_norm(indexer.linear_wk(hidden)).view(s, b, 1, 8)
     if rope_dim:
-        q = torch.cat([_rotary_fn(q[..., :rope_dim]), q[..., rope_dim:]], dim=-1)
-        k = torch.cat([_rotary_fn(k[..., :rope_dim]), k[..., rope_dim:]], dim=-1)
+        q, k = _rotary_fn(q), _rotary_fn(k)
     q, k = rotate_activation(q), rotate_activation(k[:, :, 0])
     w = indexer.linear_weights_proj(hidden) * (2**-0.5 * 8**-0.5)
     torch.testing.assert_close(out.q, q)

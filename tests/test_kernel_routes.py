@@ -26,14 +26,14 @@ from recipes.observe.precision_map import KERNEL_ROUTES, format_rows, route_rows
 
 CPU = Machine(cuda=False)
 KEYS = {"dsa", "fp8_gemm", "fp8_quant", "fp8_dequant", "serving_quant", "hadamard", "grouped_gemm", "grouped_mm",
-        "moe_row_sum", "loss", "wgrad", "linear_attention", "mhc_gates", "mhc_stream_mix", "mhc_norm_proj", "mhc_pre_sum"}
+        "moe_row_sum", "rope", "loss", "wgrad", "linear_attention", "mhc_gates", "mhc_stream_mix", "mhc_norm_proj", "mhc_pre_sum"}
 FALLBACK = {"dsa": "torch", "fp8_gemm": "emulate", "fp8_quant": "torch", "fp8_dequant": "torch",
-            "serving_quant": "torch", "hadamard": "torch", "grouped_gemm": "loop", "grouped_mm": "loop", "moe_row_sum": "torch",
+            "serving_quant": "torch", "hadamard": "torch", "grouped_gemm": "loop", "grouped_mm": "loop", "moe_row_sum": "torch", "rope": "torch",
             "loss": "megatron", "wgrad": "kpool", "linear_attention": "torch", "mhc_gates": "torch",
             "mhc_stream_mix": "torch", "mhc_norm_proj": "torch", "mhc_pre_sum": "torch"}
 CUDA_ONLY = {"dsa": ["triton"], "fp8_gemm": [], "fp8_quant": ["triton"], "fp8_dequant": ["triton"],
              "serving_quant": ["triton"], "hadamard": ["triton"], "grouped_gemm": ["triton"],
-             "grouped_mm": ["grouped_mm"], "moe_row_sum": ["triton"], "loss": ["triton"], "wgrad": [], "linear_attention": ["fla"],
+             "grouped_mm": ["grouped_mm"], "moe_row_sum": ["triton"], "rope": ["triton"], "loss": ["triton"], "wgrad": [], "linear_attention": ["fla"],
              "mhc_gates": ["triton"], "mhc_stream_mix": ["triton"], "mhc_norm_proj": ["triton"],
              "mhc_pre_sum": ["triton"]}
 """The backends of each key that decline for want of a CUDA device (fp8_gemm's torch declines for

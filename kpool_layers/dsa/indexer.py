@@ -249,16 +249,12 @@ class DSAIndexer(MegatronModule):
                 ape.grad = ape.grad.float()
         return module
 
-    def _rope(self, x: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]]) -> Tensor:
-        """Rotary on the first ``rope_dim`` channels of x [s, b, n, head_dim] (rope-first)."""
-        if self.rope_dim == 0:
-            return x
-        pe, nope = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([rotary_fn(pe), nope], dim=-1)
-
     def _rotate(self, x: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]], hadamard: bool) -> Tensor:
-        """Rotary, then with ``hadamard`` :func:`rotate_activation`, of x [s, b, n, head_dim]."""
-        x = self._rope(x, rotary_fn)
+        """Rotary on the first ``rope_dim`` channels (rope-first; ``rotary_fn`` rotates the first
+        channels of what it is given and passes the others through), then with ``hadamard``
+        :func:`rotate_activation`, of x [s, b, n, head_dim]."""
+        if self.rope_dim:
+            x = rotary_fn(x)
         return rotate_activation(x) if hadamard else x
 
     def _rotate_qk(self, q: Tensor, k: Tensor, rotary_fn: Optional[Callable[[Tensor], Tensor]],
@@ -292,8 +288,9 @@ class DSAIndexer(MegatronModule):
             hidden: [s_q, b, hidden] this CP rank's rows (the full sequence without CP), already
                 gathered from SP.
             q_latent: [s_q, b, q_lora_rank] the RMS-normalised MLA query latent.
-            rotary_fn: applies rotary (at the rows' positions) to [s_q, b, n,
-                qk_pos_emb_head_dim]; None iff NoPE.
+            rotary_fn: applies rotary (at the rows' positions) to the first qk_pos_emb_head_dim
+                channels of [s_q, b, n, d] and passes the others through
+                (:class:`kpool_layers.mla.rope.BoundRotary`); None iff NoPE.
             cu_seqlens: int32 [n_docs + 1] packed THD boundaries of the whole row (then b == 1).
         """
         return self._index(hidden, q_latent, rotary_fn, cu_seqlens, self.numerics)

@@ -87,7 +87,7 @@ from kpool_layers.dsa.indexer_loss import indexer_kl_loss
 from kpool_layers.precision.linears import RoleColumnParallelLinear, RoleRowParallelLinear, computed_by_owner, role_spec
 from kpool_layers.norm import SPNorm
 from kpool_layers.precision.policy import Role
-from kpool_layers.mla.rope import Rotary, RotaryFn, document_positions, yarn_get_mscale
+from kpool_layers.mla.rope import BoundRotary, Rotary, document_positions, yarn_get_mscale
 
 
 KV_UP_NOTE = "absorbed: weight used directly (W_uk/W_uv batched matmuls) in the model dtype, never FP8"
@@ -317,10 +317,7 @@ class GLMSparseMLA(AttentionSlotLayer):
         if self.rotary is not None:
             rotate = self._rotary_fn(positions, s, kv_latent.device, mla_interleaved=True)
             k_pe = self._full_sequence(k_pe).unsqueeze(2)  # [s, b, 1, p]
-            # one rotation for the query heads and the key head (per-vector, so the same values)
-            q_pe, k_pe = rotate(torch.cat([q_pe, k_pe], dim=2)).split([self.local_heads, 1], dim=2)
-            query = torch.cat([query, q_pe], dim=-1)
-            key = torch.cat([key, k_pe], dim=-1)
+            query, key = rotate.concat((query, key), (q_pe, k_pe))  # cat(latent, rotated pe)
         key = gather_sequence(key, self.cp_group)  # [s_kv, b, 1, d_k]
 
         topk_indices, indexer_out = self._topk(hidden_states, q_latent, positions, cu_seqlens,
@@ -364,7 +361,7 @@ class GLMSparseMLA(AttentionSlotLayer):
         return weight.split([cfg.qk_head_dim, cfg.v_head_dim], dim=1)
 
     def _rotary_fn(self, positions: Optional[torch.Tensor], s: int, device: torch.device, *,
-                   mla_interleaved: bool) -> RotaryFn:
+                   mla_interleaved: bool) -> BoundRotary:
         """The rotary of the ``s`` query rows at ``positions`` (None: ``0 .. s - 1``, whose tables
         are built once for all layers and micro batches)."""
         if positions is None:
@@ -390,7 +387,7 @@ class GLMSparseMLA(AttentionSlotLayer):
         if self.sequence_parallel:
             hidden = gather_from_sequence_parallel_region(hidden, group=self.tp_group)
             q_latent = gather_from_sequence_parallel_region(q_latent, group=self.tp_group)
-        rotary_fn: Optional[RotaryFn] = None
+        rotary_fn: Optional[BoundRotary] = None
         if self.rotary is not None:
             rotary_fn = self._rotary_fn(positions, q_latent.size(0), q_latent.device,
                                         mla_interleaved=self.config.dsa_indexer_rope_interleaved)

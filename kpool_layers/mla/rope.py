@@ -8,7 +8,11 @@ document-local positions (each document restarts at 0) without a max-length tabl
 stored on the module tree (no buffers that ``Float16Module`` could cast to bf16); the tables of one
 document's positions ``0 .. s - 1`` are built once per length, device and dtype and shared by all
 layers and micro batches (:meth:`Rotary.bind_arange`, :func:`arange_positions`). A rotation is five
-elementwise kernels forward and five backward (:class:`RotaryTables`).
+elementwise kernels forward and five backward as torch ops (:class:`RotaryTables`); on CUDA, BF16
+tensors take one Triton kernel each way where the kernel route :data:`ROPE` resolved to ``triton``
+(:mod:`kpool_layers.kernels.rope_triton`: the same operations in the same order, bit for bit),
+which also writes the channels a rotation is concatenated with (:meth:`BoundRotary.concat`: MLA's
+query and key are ``cat(latent, rotated pe)``) and the channels past the rotary ones.
 
 Layouts:
   * positions: int64 ``[s]`` (token position inside its document);
@@ -31,13 +35,33 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Optional
 
 import torch
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-RotaryFn = Callable[[torch.Tensor], torch.Tensor]
-"""Applies a bound rotary embedding to ``[s, b, n, rot_dim]`` (see :meth:`Rotary.bind`)."""
+from kpool_layers.kernel_routes import KernelBackend, Route, needs_cuda, needs_package, register
+
+
+def _triton_rope() -> ModuleType:
+    from kpool_layers.kernels import rope_triton
+
+    return rope_triton
+
+
+ROPE = register(Route("rope", (
+    KernelBackend("triton", _triton_rope, "one Triton kernel per rotation and per gradient (BF16), "
+                  "the copy of the channels it is concatenated with included",
+                  declines=(needs_cuda, needs_package("triton"))),
+    KernelBackend("torch", lambda: None, "elementwise torch ops: five kernels each way, and a cat"),
+), summary="rotary position embedding of MLA's and the DSA indexer's queries and keys"))
+"""``rope``: where :class:`RotaryTables` rotates CUDA tensors of :data:`KERNEL_DTYPES`."""
+
+KERNEL_DTYPES = (torch.bfloat16,)
+"""Dtypes the Triton kernel rotates (others take the torch ops)."""
 
 
 def yarn_get_mscale(scale: float, mscale: float) -> float:
@@ -106,8 +130,9 @@ class RotaryTables:
             return x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
         return x.roll(x.size(-1) // 2, dims=-1)
 
-    def rotate(self, t: torch.Tensor, *, mla_interleaved: bool) -> torch.Tensor:
-        """Rotate the first ``rot_dim`` channels of ``t [s, b, n, d]``; a tensor shaped like ``t``."""
+    def rotate_torch(self, t: torch.Tensor, *, mla_interleaved: bool) -> torch.Tensor:
+        """Rotate the first ``rot_dim`` channels of ``t [s, b, n, d]`` with torch ops; a tensor
+        shaped like ``t``."""
         rot_dim = self.cos.size(-1)
         rot = t[..., :rot_dim] if t.size(-1) > rot_dim else t
         if mla_interleaved:  # even channels, then odd channels: one copy
@@ -116,6 +141,105 @@ class RotaryTables:
         if t.size(-1) == rot_dim:
             return out
         return torch.cat((out, t[..., rot_dim:]), dim=-1)
+
+    def rotate(self, t: torch.Tensor, *, mla_interleaved: bool,
+               kernel: Optional[ModuleType] = None) -> torch.Tensor:
+        """:meth:`rotate_torch`'s result, by ``kernel`` (the Triton module) when given, else by
+        the one :data:`ROPE` chose for ``t`` (:func:`route_kernel`), else by the torch ops."""
+        kernel = kernel or route_kernel(t, self.cos.size(-1))
+        if kernel is None:
+            return self.rotate_torch(t, mla_interleaved=mla_interleaved)
+        return _Rotate.apply(t, self, mla_interleaved, kernel)
+
+    def rotate_concat(self, rests: Sequence[torch.Tensor], pes: Sequence[torch.Tensor], *,
+                      mla_interleaved: bool, kernel: Optional[ModuleType] = None
+                      ) -> list[torch.Tensor]:
+        """``[cat([rest_i, rotate(pe_i)], -1)]`` for ``rest_i [s, b, n_i, d_i]`` and ``pe_i [s, b,
+        n_i, rot_dim]``: one kernel per pair each way by ``kernel`` (or :data:`ROPE`'s choice);
+        the torch ops rotate the pes as one tensor (their heads concatenated) and cat each pair."""
+        rot_dim = self.cos.size(-1)
+        kernel = kernel or route_kernel(pes[0], rot_dim)
+        if kernel is not None and all(
+                pe.shape[-1] == rot_dim and pe.stride(-1) == 1 and rest.dtype == pe.dtype == pes[0].dtype
+                and rest.shape[:-1] == pe.shape[:-1] for rest, pe in zip(rests, pes, strict=True)):
+            return [_RotateConcat.apply(rest, pe, self, mla_interleaved, kernel)
+                    for rest, pe in zip(rests, pes)]
+        heads = [pe.size(2) for pe in pes]
+        rotated = self.rotate_torch(torch.cat(list(pes), dim=2) if len(pes) > 1 else pes[0],
+                                    mla_interleaved=mla_interleaved).split(heads, dim=2)
+        return [torch.cat([rest, pe], dim=-1) for rest, pe in zip(rests, rotated, strict=True)]
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` as ``[s, rot_dim]`` (the kernel's layout; views)."""
+        return self.cos.view(self.cos.size(0), -1), self.sin.view(self.sin.size(0), -1)
+
+
+def route_kernel(t: torch.Tensor, rot_dim: int) -> Optional[ModuleType]:
+    """The Triton module :data:`ROPE` chose, for a CUDA ``t`` of :data:`KERNEL_DTYPES` with unit
+    stride in its last dimension and a power-of-two ``rot_dim``; else None (the torch ops)."""
+    if (not t.is_cuda or t.dtype not in KERNEL_DTYPES or t.dim() != 4 or t.stride(-1) != 1
+            or rot_dim & (rot_dim - 1) or rot_dim < 2 or ROPE.default().backend != "triton"):
+        return None
+    return ROPE.default().kernel
+
+
+def _unit_last(g: torch.Tensor) -> torch.Tensor:
+    """``g`` with unit stride in its last dimension (the kernel's views)."""
+    return g if g.stride(-1) == 1 else g.contiguous()
+
+
+class _Rotate(torch.autograd.Function):
+    """``t [s, b, n, d]`` -> its first ``rot_dim`` channels rotated, the rest copied: one kernel
+    forward, one backward (the gradient's rest channels copied, its rotary ones rotated back)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, tables: RotaryTables, mla_interleaved: bool,
+                kernel: ModuleType) -> torch.Tensor:
+        rot = tables.cos.size(-1)
+        cos, sin = tables.rows()
+        out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        kernel.rope(t[..., :rot], t[..., rot:], cos, sin, out[..., :rot], out[..., rot:], backward=False,
+                    mla_interleaved=mla_interleaved, pairs=tables.rotary_interleaved)
+        ctx.args = (tables, mla_interleaved, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Optional[torch.Tensor], None, None, None]:
+        tables, mla_interleaved, kernel = ctx.args
+        rot = tables.cos.size(-1)
+        cos, sin = tables.rows()
+        grad = _unit_last(grad)
+        out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        kernel.rope(grad[..., :rot], grad[..., rot:], cos, sin, out[..., :rot], out[..., rot:], backward=True,
+                    mla_interleaved=mla_interleaved, pairs=tables.rotary_interleaved)
+        return out, None, None, None
+
+
+class _RotateConcat(torch.autograd.Function):
+    """``cat([rest [s, b, n, d], rotate(pe [s, b, n, rot_dim])], -1)``: one kernel forward; backward
+    the rest's gradient is a view of the output's, the pe's one kernel."""
+
+    @staticmethod
+    def forward(ctx: Any, rest: torch.Tensor, pe: torch.Tensor, tables: RotaryTables,
+                mla_interleaved: bool, kernel: ModuleType) -> torch.Tensor:
+        d = rest.size(-1)
+        cos, sin = tables.rows()
+        out = torch.empty(*pe.shape[:-1], d + pe.size(-1), dtype=pe.dtype, device=pe.device)
+        kernel.rope(pe, _unit_last(rest), cos, sin, out[..., d:], out[..., :d], backward=False,
+                    mla_interleaved=mla_interleaved, pairs=tables.rotary_interleaved)
+        ctx.args = (d, tables, mla_interleaved, kernel)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, None, None, None]:
+        d, tables, mla_interleaved, kernel = ctx.args
+        cos, sin = tables.rows()
+        grad = _unit_last(grad)
+        grad_pe = torch.empty(*grad.shape[:-1], grad.size(-1) - d, dtype=grad.dtype, device=grad.device)
+        kernel.rope(grad[..., d:], None, cos, sin, grad_pe, None, backward=True,
+                    mla_interleaved=mla_interleaved, pairs=tables.rotary_interleaved)
+        return grad[..., :d], grad_pe, None, None, None
 
 
 def apply_rotary(t: torch.Tensor, angles: torch.Tensor, *, mla_interleaved: bool,
@@ -211,26 +335,38 @@ class Rotary:
         return RotaryTables.of(self.angles(positions), dtype,
                                rotary_interleaved=self.rotary_interleaved, mscale=self.concentration)
 
-    def bind(self, positions: torch.Tensor, *, mla_interleaved: bool) -> RotaryFn:
-        """A function rotating ``[s, b, n, dim]`` tensors at ``positions [s]`` (tables built at
-        the first call of each dtype)."""
+    def bind(self, positions: torch.Tensor, *, mla_interleaved: bool) -> BoundRotary:
+        """This rotary at ``positions [s]`` (tables built at the first use of each dtype)."""
         built: dict[torch.dtype, RotaryTables] = {}
 
-        def rotate(t: torch.Tensor) -> torch.Tensor:
-            if t.dtype not in built:
-                built[t.dtype] = self.tables(positions, t.dtype)
-            return built[t.dtype].rotate(t, mla_interleaved=mla_interleaved)
+        def tables(dtype: torch.dtype) -> RotaryTables:
+            if dtype not in built:
+                built[dtype] = self.tables(positions, dtype)
+            return built[dtype]
 
-        return rotate
+        return BoundRotary(tables, mla_interleaved)
 
-    def bind_arange(self, seq_len: int, device: torch.device, *, mla_interleaved: bool) -> RotaryFn:
+    def bind_arange(self, seq_len: int, device: torch.device, *, mla_interleaved: bool) -> BoundRotary:
         """:meth:`bind` at positions ``0 .. seq_len - 1`` with tables kept across calls (one
         build per length, device and dtype for all layers and micro batches)."""
+        return BoundRotary(functools.partial(_arange_tables, self, seq_len, device), mla_interleaved)
 
-        def rotate(t: torch.Tensor) -> torch.Tensor:
-            return _arange_tables(self, seq_len, device, t.dtype).rotate(t, mla_interleaved=mla_interleaved)
 
-        return rotate
+@dataclass(frozen=True)
+class BoundRotary:
+    """A rotary at fixed positions: calling it on ``t [s, b, n, d]`` rotates the first ``rot_dim``
+    channels (:meth:`RotaryTables.rotate`); :meth:`concat` rotates pes into concatenations.
+    ``tables`` gives the tables of a dtype (built once)."""
+
+    tables: Callable[[torch.dtype], RotaryTables]
+    mla_interleaved: bool
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return self.tables(t.dtype).rotate(t, mla_interleaved=self.mla_interleaved)
+
+    def concat(self, rests: Sequence[torch.Tensor], pes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``[cat([rest_i, rotate(pe_i)], -1)]`` (:meth:`RotaryTables.rotate_concat`)."""
+        return self.tables(pes[0].dtype).rotate_concat(rests, pes, mla_interleaved=self.mla_interleaved)
 
 
 @functools.lru_cache(maxsize=32)

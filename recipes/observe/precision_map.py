@@ -48,6 +48,7 @@ from kpool_layers.dsa.core_attention import SparseMLACore
 from kpool_layers.loss import LOSS
 from kpool_layers.moe.grouped_gemm import GROUPED_FP8, GROUPED_MM
 from kpool_layers.moe.permute import ROW_SUM
+from kpool_layers.mla.rope import ROPE
 from kpool_layers.precision.fp8 import SERVING_QUANT
 from kpool_layers.precision.hadamard import HADAMARD
 from kpool_layers.precision.policy import FP8_DEQUANT, FP8_GEMM, FP8_QUANT
@@ -66,8 +67,8 @@ _LINEAR_TYPES = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 NO_ROLE_NOTE = "no precision role: left as built"
 
 KERNEL_ROUTES: tuple[kernel_routes.Route, ...] = (DSA, FP8_GEMM, FP8_QUANT, FP8_DEQUANT, SERVING_QUANT, HADAMARD,
-                                                  GROUPED_FP8, GROUPED_MM, ROW_SUM, LOSS, WGRAD, LINEAR_ATTENTION,
-                                                  GATES, STREAM_MIX, NORM_PROJECT, PRE_SUM)
+                                                  GROUPED_FP8, GROUPED_MM, ROW_SUM, ROPE, LOSS, WGRAD,
+                                                  LINEAR_ATTENTION, GATES, STREAM_MIX, NORM_PROJECT, PRE_SUM)
 """Every kernel route the map lists (imported here, so each is registered before it is listed)."""
 
 

@@ -22,7 +22,8 @@ whose own code ran them, forward and backward. ``--without NAME..`` builds witho
 choices (``multi_tensor``: megatron's per-tensor grad-norm / clip; ``wgrad_fusion``: weight
 gradients added by DDP's hook; ``fused_router``: megatron's routing; ``serving_quant_kernel``: the
 serving index quantization as torch ops; ``local_dispatch``: megatron's allgather dispatch with its
-host syncs) to measure them side by side. ``--by-shape`` records the operators' input shapes in
+host syncs; ``rope_kernel``: the rotary and its concatenations as torch ops) to measure them side
+by side. ``--by-shape`` records the operators' input shapes in
 the profiled steps and adds the top operators by (name, input shapes), which tells the GEMMs of one
 linear from another's. ``device_ms_per_step`` sums the GPU time of every kernel, copy and memset.
 ``peak_gib`` is the peak allocated by tensors over the timed steps, which leaves out a CUDA
@@ -84,12 +85,18 @@ def _switch_off_local_dispatch() -> None:
     kpool_layers.moe.layer.local_dispatch = lambda config, dispatcher: "profile_step --without"
 
 
+def _switch_off_rope_kernel() -> None:
+    from kpool_layers.mla.rope import ROPE
+    ROPE.pin("torch")  # the rotary as torch ops, its concatenations as cats
+
+
 WITHOUT: dict[str, Callable[[], None]] = {
     "multi_tensor": _switch_off_multi_tensor,
     "wgrad_fusion": _switch_off_wgrad_fusion,
     "fused_router": _switch_off_fused_router,
     "serving_quant_kernel": _switch_off_serving_quant_kernel,
     "local_dispatch": _switch_off_local_dispatch,
+    "rope_kernel": _switch_off_rope_kernel,
 }
 """Launch-saving build choices ``--without`` switches off, to measure each side by side with the
 same command (the step without them)."""
