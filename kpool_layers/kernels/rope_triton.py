@@ -36,6 +36,9 @@ BLOCK_R = 32
 BLOCK_C = 128
 """Rest channels copied per step of a program's loop."""
 
+NUM_WARPS = 4
+"""Warps per program."""
+
 
 @triton.jit
 def _deinterleaved(j, HALF: tl.constexpr, MLA_INTERLEAVED: tl.constexpr):
@@ -114,4 +117,4 @@ def rope(x: torch.Tensor, x_rest: torch.Tensor | None, cos: torch.Tensor, sin: t
         x, xr, cos, sin, y, yr, rows, b, n, xr.shape[-1] if rest else 0,
         *_strides(x), *_strides(xr), *_strides(y), *_strides(yr),
         ROT=rot, BACKWARD=backward, MLA_INTERLEAVED=mla_interleaved, PAIRS=pairs,
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
