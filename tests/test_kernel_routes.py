@@ -206,11 +206,12 @@ def test_every_key_takes_its_kernel_on_a_hopper_gpu() -> None:
         pytest.skip("needs compute capability >= 9.0")
     expected = {"dsa": "triton", "fp8_gemm": "torch", "fp8_quant": "triton", "fp8_dequant": "triton",
                 "serving_quant": "triton", "hadamard": "triton", "grouped_gemm": "triton",
-                "grouped_mm": "grouped_mm", "loss": "triton", "wgrad": "kpool",
+                "grouped_mm": "grouped_mm", "moe_row_sum": "triton", "rope": "triton", "loss": "triton", "wgrad": "kpool",
                 "linear_attention": "fla" if importlib.util.find_spec("fla") is not None else "torch",
                 "mhc_gates": "triton", "mhc_stream_mix": "triton", "mhc_norm_proj": "triton", "mhc_pre_sum": "triton"}
     if importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None:
         expected["wgrad"] = "apex"
+    assert set(expected) == KEYS
     for key, backend in expected.items():
         got = kernel_routes.ROUTES[key].resolve()
         assert got.backend == backend, (key, got.declined)
