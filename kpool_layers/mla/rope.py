@@ -34,8 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Optional
